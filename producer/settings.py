@@ -1,0 +1,95 @@
+"""Connection settings shared by everything that talks to edgeq's Redis.
+
+Read from the environment (prefix ``EDGEQ_``) and from ``.env`` in the working directory.
+The worker's settings extend this class, so a producer and a worker configured from the
+same environment always agree on where the queue is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "EDGEQ_"
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+class ConfigError(Exception):
+    """A setting has a value edgeq cannot run with; the message names the variable."""
+
+
+class ConnectionSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    # Knob 6 (connection pooling, timeouts): one pooled client per process, bounded waits.
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis holding the queue and the streams (redis://, rediss:// or unix://).",
+    )
+    queue: str = Field("edgeq:queue", min_length=1, description="arq queue name (a sorted set).")
+    redis_connect_timeout_s: float = Field(
+        5.0, gt=0, description="Give up connecting to Redis after this long."
+    )
+    redis_socket_timeout_s: float = Field(
+        10.0, gt=0, description="Give up on one Redis command after this long."
+    )
+    stream_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "A client gives up on a job when no event arrives for this long "
+            "(covers queue wait and a worker that is still starting)."
+        ),
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme not in {"redis", "rediss", "unix"}:
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+
+def redacted_url(url: str) -> str:
+    """The URL with any password replaced, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def describe_validation_error(error: ValidationError, prefix: str = ENV_PREFIX) -> str:
+    """One line per bad setting, naming the environment variable an operator has to fix."""
+    lines = []
+    for item in error.errors():
+        field = str(item["loc"][0]) if item["loc"] else ""
+        variable = f"{prefix}{field.upper()}" if field else "settings"
+        given = item.get("input")
+        if isinstance(given, str) and field.endswith("url"):
+            given = redacted_url(given)  # a URL may carry the Redis password
+        shown = "" if isinstance(given, dict) or not field else f" (got {given!r})"
+        lines.append(f"{variable}: {item['msg']}{shown}")
+    return "invalid settings:\n  " + "\n  ".join(lines)
+
+
+def load_settings(cls: type[SettingsT], **overrides: Any) -> SettingsT:
+    """Build settings, turning pydantic's error into a ConfigError that names each variable."""
+    try:
+        return cls(**overrides)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None

@@ -1,0 +1,163 @@
+"""The one warm vLLM engine a worker holds, and the two things done before each generation:
+rendering the chat with the model's own template, and turning a request into SamplingParams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from producer.protocol import ChatMessage, ChatRequest
+from producer.settings import ConfigError
+from worker.reasoning import THINK_CLOSE, THINK_OPEN
+from worker.settings import WorkerSettings
+
+# When thinking is off the think tags are banned from sampling, so a model that ignores the
+# pre-closed think block of Qwen3's template still cannot open one.
+BANNED_LOGIT_BIAS = -100.0
+
+# The CPU attention kernel works on blocks that are a multiple of this many tokens.
+CPU_BLOCK_MULTIPLE = 32
+
+WARMUP_MESSAGES = (ChatMessage(role="user", content="Hello"),)
+WARMUP_TOKENS = 4
+
+# Before vllm is imported: no phoning home from an appliance.
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+from vllm import AsyncEngineArgs, RequestOutput, SamplingParams  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+
+
+class PromptTooLong(Exception):
+    """The rendered prompt leaves no room for even one generated token."""
+
+
+def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
+    """Map EDGEQ_* settings to vLLM's engine arguments, with the CPU platform's rules applied."""
+    on_cpu = current_platform.is_cpu()
+    if on_cpu and settings.block_size is not None and settings.block_size % CPU_BLOCK_MULTIPLE:
+        raise ConfigError(
+            f"EDGEQ_BLOCK_SIZE: vLLM's CPU backend needs a multiple of {CPU_BLOCK_MULTIPLE} "
+            f"(got {settings.block_size})"
+        )
+    return AsyncEngineArgs(
+        model=settings.model,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+        block_size=settings.block_size,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        # On CPU vLLM would otherwise reserve ~92 % of RAM; on a GPU the utilization rules.
+        kv_cache_memory_bytes=int(settings.cpu_kv_cache_gib * 2**30) if on_cpu else None,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        # Eager mode skips inductor's C++ compile at start-up, which costs minutes on a CPU.
+        enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else on_cpu,
+        enable_log_requests=settings.log_content,
+        disable_log_stats=True,
+    )
+
+
+class ChatEngine:
+    """One AsyncLLM for the life of the worker, plus its tokenizer and the box's defaults."""
+
+    def __init__(self, llm: AsyncLLM, tokenizer: Any, settings: WorkerSettings) -> None:
+        self.llm = llm
+        self.settings = settings
+        self.max_model_len: int = llm.model_config.max_model_len
+        self._tokenizer = tokenizer
+        # Fast tokenizers are not safe to share between threads; one thread keeps rendering
+        # off the event loop without ever running two encodes at once.
+        self._render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
+        vocab = tokenizer.get_vocab()
+        self._think_ids = [vocab[tag] for tag in (THINK_OPEN, THINK_CLOSE) if tag in vocab]
+
+    @classmethod
+    async def start(cls, settings: WorkerSettings) -> ChatEngine:
+        """Build the engine (blocking: model load and KV allocation happen in its processes)."""
+        llm = AsyncLLM.from_engine_args(engine_args(settings))
+        tokenizer = llm.get_tokenizer()
+        if inspect.isawaitable(tokenizer):  # older vLLM releases
+            tokenizer = await tokenizer
+        return cls(llm, tokenizer, settings)
+
+    async def warm_up(self) -> None:
+        """One short generation, so the first real job does not pay for lazy initialisation."""
+        request = ChatRequest(messages=list(WARMUP_MESSAGES), max_tokens=WARMUP_TOKENS)
+        prompt = await self.render(request.messages, enable_thinking=False)
+        params = self.sampling_params(request, len(prompt))
+        async for _ in self.generate(prompt, params, f"warmup-{uuid.uuid4().hex}"):
+            pass
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        self._render_thread.shutdown(wait=False, cancel_futures=True)
+
+    def thinking_enabled(self, request: ChatRequest) -> bool:
+        if request.enable_thinking is None:
+            return self.settings.enable_thinking
+        return request.enable_thinking
+
+    async def render(self, messages: Sequence[ChatMessage], *, enable_thinking: bool) -> list[int]:
+        """Token ids of the chat, rendered with the model's own chat template."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._render_thread, self._render_sync, messages, enable_thinking
+        )
+
+    def _render_sync(self, messages: Sequence[ChatMessage], enable_thinking: bool) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            [message.model_dump() for message in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )
+        # The template already emits every special token the model expects.
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def sampling_params(self, request: ChatRequest, prompt_tokens: int) -> SamplingParams:
+        """SamplingParams for one request: its own fields, else the box-wide defaults."""
+        room = self.max_model_len - prompt_tokens
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt is {prompt_tokens} tokens, but this worker's context holds "
+                f"{self.max_model_len} (EDGEQ_MAX_MODEL_LEN) including at least one "
+                f"generated token"
+            )
+        defaults = self.settings
+        max_tokens = request.max_tokens if request.max_tokens is not None else defaults.max_tokens
+        banned = None
+        if not self.thinking_enabled(request) and self._think_ids:
+            banned = dict.fromkeys(self._think_ids, BANNED_LOGIT_BIAS)
+        return SamplingParams(
+            temperature=request.temperature
+            if request.temperature is not None
+            else defaults.temperature,
+            top_p=request.top_p if request.top_p is not None else defaults.top_p,
+            max_tokens=min(max_tokens, room),
+            stop=request.stop,
+            seed=request.seed,
+            logit_bias=banned,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream DELTA outputs; leaving early (break, cancel) aborts the request in the engine."""
+        stream = self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id)
+        async with contextlib.aclosing(stream) as outputs:
+            async for output in outputs:
+                yield output

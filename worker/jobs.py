@@ -1,0 +1,181 @@
+"""The arq job: run one chat on the warm engine and publish its events.
+
+Every path out of ``chat`` publishes exactly one terminal event: ``done`` with usage and
+timings, or ``error`` with a stable code. The same terminal outcome is the arq job result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from typing import Any
+
+import structlog
+from pydantic import ValidationError
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from producer.protocol import (
+    ChatRequest,
+    ChatResult,
+    ErrorCode,
+    Timings,
+    Usage,
+    describe_validation_error,
+)
+from worker.engine import ChatEngine, PromptTooLong
+from worker.publisher import StreamPublisher
+from worker.reasoning import ReasoningSplitter
+from worker.settings import WorkerSettings
+from worker.wire import JobPayload
+
+log = structlog.get_logger("edgeq.job")
+
+
+class JobRefused(Exception):
+    """The job cannot run; carries the error code and message for its stream."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _ms_since(start_s: float, now_s: float) -> float:
+    return round((now_s - start_s) * 1000, 3)
+
+
+def parse_request(payload: JobPayload) -> ChatRequest:
+    if payload.problem is not None:
+        raise JobRefused(ErrorCode.INVALID_REQUEST, payload.problem)
+    try:
+        return ChatRequest.model_validate(payload.request)
+    except ValidationError as error:
+        raise JobRefused(
+            ErrorCode.INVALID_REQUEST, f"invalid request: {describe_validation_error(error)}"
+        ) from None
+
+
+async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
+    """arq entry point; ``payload`` comes from ``worker.wire.load_job``."""
+    job_id: str = ctx["job_id"]
+    settings: WorkerSettings = ctx["settings"]
+    structlog.contextvars.bind_contextvars(job_id=job_id)
+    publisher = StreamPublisher(ctx["redis"], job_id, interval_s=settings.stream_interval_ms / 1000)
+    enqueued_s = ctx["enqueue_time"].timestamp()
+    try:
+        async with asyncio.timeout(settings.job_timeout_s):
+            result = await run_chat(ctx["engine"], settings, publisher, payload, enqueued_s)
+        return result.model_dump(mode="json", exclude_none=True)
+    except JobRefused as refusal:
+        return await _fail(publisher, refusal.code, refusal.message)
+    except TimeoutError:
+        return await _fail(
+            publisher,
+            ErrorCode.TIMEOUT,
+            f"generation did not finish within {settings.job_timeout_s:g} s (EDGEQ_JOB_TIMEOUT_S)",
+        )
+    except asyncio.CancelledError:
+        await _fail(
+            publisher,
+            ErrorCode.CANCELLED,
+            "the job was cancelled before it finished (worker shutting down or job aborted)",
+        )
+        raise
+    except EngineDeadError:
+        await _fail(publisher, ErrorCode.ENGINE_ERROR, "the inference engine died; restarting")
+        log.error("engine_dead", action="stopping worker so its supervisor restarts it")
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    except Exception as error:
+        log.exception("job_error")
+        return await _fail(
+            publisher, ErrorCode.ENGINE_ERROR, f"generation failed: {type(error).__name__}"
+        )
+    finally:
+        structlog.contextvars.unbind_contextvars("job_id")
+
+
+async def _fail(publisher: StreamPublisher, code: ErrorCode, message: str) -> dict[str, Any]:
+    log.info("job_failed", code=code.value, reason=message)
+    if publisher.closed:  # the terminal event is out; a second one would break the contract
+        return {"type": "error", "code": code.value, "message": message}
+    event = await asyncio.shield(publisher.publish_error(code.value, message))
+    return event.model_dump(mode="json")
+
+
+async def run_chat(
+    engine: ChatEngine,
+    settings: WorkerSettings,
+    publisher: StreamPublisher,
+    payload: JobPayload,
+    enqueued_s: float,
+) -> ChatResult:
+    started_s = time.time()
+    request = parse_request(payload)
+    thinking = engine.thinking_enabled(request)
+    prompt = await engine.render(request.messages, enable_thinking=thinking)
+    try:
+        params = engine.sampling_params(request, len(prompt))
+    except PromptTooLong as error:
+        raise JobRefused(ErrorCode.PROMPT_TOO_LONG, str(error)) from None
+    except VLLMValidationError as error:
+        raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
+    log.info(
+        "job_started",
+        queued_ms=_ms_since(enqueued_s, started_s),
+        prompt_tokens=len(prompt),
+        max_tokens=params.max_tokens,
+        thinking=thinking,
+        **({"messages": request.model_dump()["messages"]} if settings.log_content else {}),
+    )
+
+    splitter = ReasoningSplitter(thinking=thinking)
+    answer: list[str] = []
+    completion_tokens = 0
+    first_token_s: float | None = None
+    finish_reason = "abort"
+    # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
+    async with contextlib.aclosing(engine.generate(prompt, params, publisher.job_id)) as outputs:
+        async for output in outputs:
+            completion = output.outputs[0]
+            if completion.token_ids:
+                completion_tokens += len(completion.token_ids)
+                first_token_s = first_token_s or time.time()
+            text = splitter.feed(completion.text)
+            answer.append(text)
+            await publisher.publish_text(text)
+            if output.finished:
+                finish_reason = completion.finish_reason or finish_reason
+
+    finished_s = time.time()
+    timings = Timings(
+        queued_ms=_ms_since(enqueued_s, started_s),
+        ttft_ms=_ms_since(enqueued_s, first_token_s) if first_token_s else None,
+        total_ms=_ms_since(enqueued_s, finished_s),
+    )
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens)
+    reasoning = splitter.reasoning if request.return_reasoning and thinking else None
+    await publisher.publish_done(
+        finish_reason=finish_reason, usage=usage, timings=timings, reasoning=reasoning
+    )
+    text = "".join(answer)
+    log.info(
+        "job_done",
+        finish_reason=finish_reason,
+        completion_tokens=completion_tokens,
+        ttft_ms=timings.ttft_ms,
+        total_ms=timings.total_ms,
+        **({"text": text} if settings.log_content else {}),
+    )
+    return ChatResult(
+        job_id=publisher.job_id,
+        text=text,
+        finish_reason=finish_reason,
+        usage=usage,
+        timings=timings,
+        reasoning=reasoning,
+    )

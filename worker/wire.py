@@ -1,0 +1,79 @@
+"""The worker's side of arq serialization: the trust boundary for whatever sits in Redis.
+
+arq hands every raw job to ``load_job`` before it looks up the function. Anything that is not
+a well-formed JSON chat job (pickle, garbage, another function name) still becomes a call to
+``chat``, carrying the reason it is unusable, so the job ends with an ``error`` event on its
+stream instead of a failure that only arq's log would know about. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from producer.protocol import JOB_FUNCTION, json_default
+
+
+@dataclass(frozen=True)
+class JobPayload:
+    """The decoded, not yet validated request; or why the raw job could not be decoded."""
+
+    request: Any
+    problem: str | None
+    size: int
+
+    def __repr__(self) -> str:
+        # arq logs the job's arguments; a prompt must never reach the log that way.
+        state = "unreadable" if self.problem else "chat request"
+        return f"<{state}, {self.size} bytes>"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _job(payload: JobPayload, job_try: Any = None, enqueued_ms: Any = None) -> dict[str, Any]:
+    return {
+        "f": JOB_FUNCTION,
+        "a": [payload],
+        "k": {},
+        "t": job_try if isinstance(job_try, int) and not isinstance(job_try, bool) else None,
+        "et": enqueued_ms if isinstance(enqueued_ms, int) and enqueued_ms > 0 else _now_ms(),
+    }
+
+
+def load_job(raw: bytes) -> dict[str, Any]:
+    """arq's ``job_deserializer`` in the worker. Never raises, never unpickles."""
+    size = len(raw)
+
+    def unusable(problem: str) -> dict[str, Any]:
+        return _job(JobPayload(request=None, problem=problem, size=size))
+
+    try:
+        job = json.loads(raw)
+    except UnicodeDecodeError:
+        return unusable("the job payload is not UTF-8 JSON (pickle is never accepted)")
+    except json.JSONDecodeError as error:
+        return unusable(f"the job payload is not valid JSON: {error.msg} at position {error.pos}")
+    if not isinstance(job, dict) or not {"f", "a", "k"} <= job.keys():
+        return unusable("the job payload is not an arq job object with keys f, a and k")
+    if job["f"] != JOB_FUNCTION:
+        return unusable(f"unknown job function {job['f']!r}; edgeq runs only {JOB_FUNCTION!r}")
+    args, kwargs = job["a"], job["k"]
+    if not isinstance(args, list) or len(args) != 1 or kwargs:
+        return unusable("a chat job takes exactly one positional argument, the request object")
+    payload = JobPayload(request=args[0], problem=None, size=size)
+    return _job(payload, job.get("t"), job.get("et"))
+
+
+def _worker_json_default(value: Any) -> Any:
+    if isinstance(value, JobPayload):
+        return value.request
+    return json_default(value)
+
+
+def dump_json(value: Any) -> bytes:
+    """arq's ``job_serializer`` in the worker (results keep the job's arguments too)."""
+    return json.dumps(value, default=_worker_json_default, separators=(",", ":")).encode()
