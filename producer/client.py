@@ -172,6 +172,8 @@ class ChatJob:
                 event = decode_event(message["data"])
             except ValidationError as error:
                 raise StreamBroken(f"job {self.job_id}: undecodable event: {error}") from None
+            if event.job_id != self.job_id:
+                raise StreamBroken(f"job {self.job_id}: got an event of job {event.job_id}")
             if event.seq != self._next_seq:
                 raise StreamBroken(
                     f"job {self.job_id}: expected event seq {self._next_seq}, got {event.seq}"

@@ -1,0 +1,55 @@
+"""Real parts for the suite: a private redis-server, the generated tiny model, and ONE worker
+process with the real vLLM engine, shared by every test that needs it (engine start-up is the
+suite's biggest cost)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers import engine_env
+from producer.client import ChatClient
+from worker.localrun import RedisServer, WorkerProcess
+from worker.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model")).directory
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(
+    tiny_model: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    env = engine_env(tiny_model, redis_server.url, "edgeq:test")
+    process = WorkerProcess(env, tmp_path_factory.mktemp("worker") / "worker.log").start()
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+async def client(worker: WorkerProcess) -> AsyncIterator[ChatClient]:
+    async with ChatClient(
+        redis_url=worker.env["EDGEQ_REDIS_URL"], queue=worker.env["EDGEQ_QUEUE"]
+    ) as chat_client:
+        yield chat_client
+
+
+@pytest.fixture
+def cli_env(worker: WorkerProcess) -> dict[str, str]:
+    """Environment for running `edgeq ...` against the shared worker."""
+    return {**os.environ, **worker.env}

@@ -1,0 +1,165 @@
+"""One chat end to end: ChatClient and `edgeq chat` → real Redis → real arq worker process →
+real vLLM engine on the tiny model → pub/sub back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+
+import pytest
+from redis.asyncio import Redis
+
+from helpers import EDGEQ, arq_job_bytes, run_raw_job
+from producer.client import ChatClient
+from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+
+pytestmark = pytest.mark.engine
+
+# Long enough that generation on the tiny model takes visibly longer than one delta interval.
+LONG_ANSWER_TOKENS = 300
+# On the near-uniform tiny model the seed, not the prompt, decides when <|im_end|> is drawn;
+# these seeds run the full LONG_ANSWER_TOKENS (seen on this machine type).
+FULL_LENGTH_SEEDS = (8, 10, 12)
+
+
+def assert_intact(events: list[StreamEvent], job_id: str) -> None:
+    assert [event.seq for event in events] == list(range(len(events)))
+    assert all(event.job_id == job_id for event in events)
+    assert isinstance(events[-1], DoneEvent | ErrorEvent)
+    assert not any(isinstance(event, DoneEvent | ErrorEvent) for event in events[:-1])
+
+
+async def test_chat_streams_deltas_before_done_and_they_join_to_the_result(
+    client: ChatClient,
+) -> None:
+    job = await client.submit(
+        "Tell me a long story.", max_tokens=LONG_ANSWER_TOKENS, seed=FULL_LENGTH_SEEDS[0]
+    )
+    events: list[StreamEvent] = []
+    arrived: list[float] = []
+    async for event in job.stream():
+        events.append(event)
+        arrived.append(time.monotonic())
+    result = await job.result()
+
+    assert_intact(events, job.job_id)
+    deltas = [event for event in events if isinstance(event, DeltaEvent)]
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    assert len(deltas) >= 2, "the answer came in one piece: nothing was streamed"
+    assert arrived[0] < arrived[-1]
+    assert "".join(delta.text for delta in deltas) == result.text
+    assert result.usage.completion_tokens == done.usage.completion_tokens > 0
+    assert result.usage.prompt_tokens > 0
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == LONG_ANSWER_TOKENS
+    timings = done.timings
+    assert timings.ttft_ms is not None
+    assert 0 <= timings.queued_ms <= timings.ttft_ms <= timings.total_ms
+
+
+async def test_coalescing_sends_fewer_deltas_than_tokens(client: ChatClient) -> None:
+    job = await client.submit("Count.", max_tokens=LONG_ANSWER_TOKENS, seed=FULL_LENGTH_SEEDS[1])
+    events = [event async for event in job.stream()]
+    done = events[-1]
+    assert isinstance(done, DoneEvent)
+    deltas = len(events) - 1
+    # First token alone, then at most one delta per 20 ms interval.
+    assert deltas < done.usage.completion_tokens
+
+
+async def test_fifty_concurrent_chats_each_get_their_own_intact_stream(
+    client: ChatClient,
+) -> None:
+    budgets = [10 + index for index in range(50)]
+
+    async def one_chat(max_tokens: int) -> tuple[str, int, list[StreamEvent]]:
+        job = await client.submit(f"Question number {max_tokens}?", max_tokens=max_tokens)
+        return job.job_id, max_tokens, [event async for event in job.stream()]
+
+    outcomes = await asyncio.gather(*(one_chat(budget) for budget in budgets))
+
+    assert len({job_id for job_id, _, _ in outcomes}) == 50
+    for job_id, max_tokens, events in outcomes:
+        assert_intact(events, job_id)
+        done = events[-1]
+        assert isinstance(done, DoneEvent), done
+        if done.finish_reason == "length":
+            assert done.usage.completion_tokens == max_tokens
+        else:
+            assert done.finish_reason == "stop"
+            assert done.usage.completion_tokens < max_tokens
+
+
+async def test_a_plain_redis_subscriber_sees_the_documented_json_events(
+    worker, redis_server
+) -> None:
+    """What a service in another language does: plain SET/ZADD, plain SUBSCRIBE, plain JSON."""
+    redis = Redis.from_url(redis_server.url)
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
+    try:
+        events = await run_raw_job(redis, worker.env["EDGEQ_QUEUE"], arq_job_bytes(request))
+    finally:
+        await redis.aclose()
+
+    assert [event["seq"] for event in events] == list(range(len(events)))
+    *deltas, done = events
+    assert deltas and all(set(event) == {"job_id", "seq", "type", "text"} for event in deltas)
+    assert {event["type"] for event in deltas} == {"delta"}
+    assert done["type"] == "done"
+    assert set(done) == {"job_id", "seq", "type", "finish_reason", "usage", "timings"}
+    assert set(done["usage"]) == {"prompt_tokens", "completion_tokens"}
+    assert set(done["timings"]) == {"queued_ms", "ttft_ms", "total_ms"}
+
+
+async def test_edgeq_chat_streams_to_stdout_before_the_job_is_done(
+    cli_env: dict[str, str], redis_server
+) -> None:
+    """A plain pattern subscriber timestamps the job's events while `edgeq chat` runs: the
+    CLI's first output must come before the job's `done` event was published."""
+    redis = Redis.from_url(redis_server.url)
+    watcher = redis.pubsub()
+    await watcher.psubscribe("edgeq:stream:*")
+    await watcher.get_message(timeout=5)
+    events: list[tuple[float, dict]] = []
+
+    async def watch() -> None:
+        while not events or events[-1][1]["type"] != "done":
+            message = await watcher.get_message(ignore_subscribe_messages=True, timeout=1)
+            if message is not None:
+                events.append((time.monotonic(), json.loads(message["data"])))
+
+    watching = asyncio.create_task(watch())
+    process = await asyncio.create_subprocess_exec(
+        *EDGEQ, "chat", "Write a poem.", "--max-tokens", str(LONG_ANSWER_TOKENS),
+        "--seed", str(FULL_LENGTH_SEEDS[2]), env=cli_env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stdout is not None
+    first_chunk = await asyncio.wait_for(process.stdout.read(1), timeout=120)
+    first_chunk_at = time.monotonic()
+    rest, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    await asyncio.wait_for(watching, timeout=30)
+    await watcher.aclose()
+    await redis.aclose()
+
+    assert process.returncode == 0, stderr.decode()
+    done_at, done = events[-1]
+    assert done["type"] == "done"
+    assert done["usage"]["completion_tokens"] == LONG_ANSWER_TOKENS
+    assert first_chunk_at < done_at, "edgeq chat printed nothing until the job was done"
+    deltas = "".join(event["text"] for _, event in events if event["type"] == "delta")
+    assert (first_chunk + rest).decode() == deltas + "\n"
+
+
+def test_edgeq_chat_json_prints_the_whole_result(cli_env: dict[str, str]) -> None:
+    finished = subprocess.run(
+        [*EDGEQ, "chat", "Hello", "--max-tokens", "8", "--json"],
+        env=cli_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert finished.returncode == 0, finished.stderr
+    result = json.loads(finished.stdout)
+    assert result["usage"]["completion_tokens"] <= 8
+    assert result["finish_reason"] in {"stop", "length"}

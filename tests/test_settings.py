@@ -1,0 +1,97 @@
+"""Settings: every variable has a sane default, and a bad one is named in the error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from producer.settings import ConfigError, ConnectionSettings, load_settings, redacted_url
+from worker.settings import WorkerSettings
+
+ENV_EXAMPLE = Path(__file__).parent.parent / ".env.example"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("EDGEQ_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)  # no stray .env
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    settings = load_settings(WorkerSettings)
+    assert settings.redis_url == "redis://127.0.0.1:6379/0"
+    assert settings.queue == "edgeq:queue"
+    assert settings.model == "Qwen/Qwen3-0.6B"
+    assert (settings.temperature, settings.top_p, settings.max_tokens) == (0.5, 0.9, 256)
+    assert settings.enable_thinking is False
+
+
+def test_arq_max_jobs_follows_the_engine_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEQ_MAX_NUM_SEQS", "96")
+    assert load_settings(WorkerSettings).arq_max_jobs == 96
+    monkeypatch.setenv("EDGEQ_MAX_JOBS", "100")
+    assert load_settings(WorkerSettings).arq_max_jobs == 100
+
+
+def test_dot_env_is_read(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("EDGEQ_QUEUE=from-dotenv\n")
+    assert load_settings(ConnectionSettings).queue == "from-dotenv"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("EDGEQ_MAX_NUM_SEQS", "-3"),
+        ("EDGEQ_TOP_P", "0"),
+        ("EDGEQ_BLOCK_SIZE", "20"),
+        ("EDGEQ_DTYPE", "fp8x"),
+        ("EDGEQ_STREAM_INTERVAL_MS", "soon"),
+        ("EDGEQ_LOG_LEVEL", "loud"),
+    ],
+)
+def test_a_bad_value_names_the_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as failure:
+        load_settings(WorkerSettings)
+    assert f"{variable}: " in str(failure.value)
+    assert repr(value) in str(failure.value)
+
+
+def test_a_batch_budget_smaller_than_the_batch_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EDGEQ_MAX_NUM_SEQS", "64")
+    monkeypatch.setenv("EDGEQ_MAX_NUM_BATCHED_TOKENS", "32")
+    with pytest.raises(ConfigError, match="EDGEQ_MAX_NUM_BATCHED_TOKENS must be at least"):
+        load_settings(WorkerSettings)
+
+
+def test_a_bad_redis_url_never_shows_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEQ_REDIS_URL", "http://user:s3cret@host:6379")
+    with pytest.raises(ConfigError) as failure:
+        load_settings(ConnectionSettings)
+    assert "EDGEQ_REDIS_URL" in str(failure.value)
+    assert "s3cret" not in str(failure.value)
+
+
+def test_redacted_url() -> None:
+    assert redacted_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
+    assert redacted_url("rediss://alice:pw@h/2") == "rediss://alice:***@h/2"
+    assert redacted_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_env_example_documents_every_setting() -> None:
+    documented = {
+        line.split("=", 1)[0].lstrip("# ").strip()
+        for line in ENV_EXAMPLE.read_text().splitlines()
+        if line.lstrip("# ").startswith("EDGEQ_") and "=" in line
+    }
+    fields = {f"EDGEQ_{name.upper()}" for name in WorkerSettings.model_fields}
+    assert fields == documented

@@ -1,0 +1,167 @@
+"""Running edgeq's real parts on this machine: a private redis-server and worker processes.
+
+Used by ``make demo``, the test suite and the benchmarks, so that all of them start Redis and
+the worker the same way and wait for the same readiness signal (the worker's ``worker_ready``
+log event).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_EVENT = "worker_ready"
+# Engine start-up measured here is ~20-40 s on two cores; leave room for a busy machine.
+DEFAULT_READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:g} s")
+
+
+@dataclass
+class RedisServer:
+    """A throw-away redis-server on loopback: no persistence, its own port."""
+
+    port: int = field(default_factory=free_port)
+    extra_args: tuple[str, ...] = ()
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        self.process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                *self.extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for_port(self.port, timeout_s=10)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+        self.process = None
+
+
+class WorkerFailed(RuntimeError):
+    """The worker process exited or never became ready; the message has its last log lines."""
+
+
+@dataclass
+class WorkerProcess:
+    """``edgeq worker`` as a child process with its settings in the environment."""
+
+    env: Mapping[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    ready_event: dict[str, object] | None = None
+
+    def start(self) -> WorkerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", "worker"],
+            env={**os.environ, **self.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a signal for the test runner is not one for the worker
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            event = self._find_ready_event()
+            if event is not None:
+                self.ready_event = event
+                return event
+            if self.process is None or self.process.poll() is not None:
+                raise WorkerFailed(f"the worker exited before it was ready:\n{self.tail()}")
+            time.sleep(0.1)
+        raise WorkerFailed(f"the worker was not ready after {timeout_s:g} s:\n{self.tail()}")
+
+    def _find_ready_event(self) -> dict[str, object] | None:
+        if not self.log_path.exists():
+            return None
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if READY_EVENT in line and line.startswith("{"):
+                event = json.loads(line)
+                if event.get("event") == READY_EVENT:
+                    return event
+        return None
+
+    def log_events(self) -> list[dict[str, object]]:
+        """The worker's structured events so far (vLLM's own plain-text lines left out)."""
+        events = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return events
+
+    def tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int | None:
+        """Signal the worker and wait for it (and vLLM's child processes) to exit."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        # vLLM's engine processes share the worker's session; none may outlive it.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.process.returncode
