@@ -1,0 +1,28 @@
+# The two commands of README's quick start, and the pieces they are made of.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+INSTALLED := $(VENV)/.installed
+
+.PHONY: demo test lint system-deps venv clean
+
+demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
+	$(VENV)/bin/python scripts/demo.py
+
+test: system-deps $(INSTALLED) lint  ## the whole suite against real Redis, arq and vLLM
+	$(VENV)/bin/python -m pytest
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+
+system-deps:  ## Debian packages: redis-server
+	scripts/install-system-deps.sh
+
+venv: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml scripts/setup-venv.sh
+	VENV=$(VENV) PYTHON=$(PYTHON) scripts/setup-venv.sh
+	touch $@
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info

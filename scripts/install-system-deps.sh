@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Debian/Ubuntu packages edgeq's demo and tests need. Installs only what is missing.
+set -euo pipefail
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo=sudo
+echo "edgeq: installing ${missing[*]} with apt-get"
+$sudo apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
