@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from producer.client import ChatClient, InvalidRequest
-from producer.errors import EdgeqError, JobFailed, RedisUnavailable
+from producer.client import ChatClient, ChatJob, InvalidRequest
+from producer.errors import EdgeqError, JobFailed, QueueFull, RedisUnavailable
 from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent
 from producer.settings import ConfigError, ConnectionSettings, load_settings
 
@@ -24,6 +24,7 @@ EXIT_JOB_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 69
 EXIT_CONFIG = 78
+EXIT_INTERRUPTED = 130
 
 
 def _print_error(command: str, message: object) -> None:
@@ -46,54 +47,85 @@ def _chat_fields(args: argparse.Namespace) -> dict[str, object]:
     return fields
 
 
-async def _chat(args: argparse.Namespace) -> int:
+def _connection_settings(args: argparse.Namespace) -> ConnectionSettings:
     overrides = {
         key: value
         for key, value in (
             ("redis_url", args.redis_url),
             ("queue", args.queue),
-            ("stream_timeout_s", args.timeout),
+            ("stream_timeout_s", getattr(args, "timeout", None)),
         )
         if value is not None
     }
-    settings = load_settings(ConnectionSettings, **overrides)
+    return load_settings(ConnectionSettings, **overrides)
+
+
+async def _print_stream(job: ChatJob) -> int:
+    """Write deltas to stdout as they come; an error event becomes JobFailed."""
+    async for event in job.stream():
+        if isinstance(event, DeltaEvent):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, DoneEvent):
+            sys.stdout.write("\n")
+            if event.reasoning:
+                print(f"[reasoning]\n{event.reasoning}", file=sys.stderr)
+        elif isinstance(event, ErrorEvent):
+            sys.stdout.write("\n")
+            raise JobFailed(job.job_id, event.code, event.message)
+    return EXIT_OK
+
+
+async def _chat(args: argparse.Namespace) -> int:
     fields = _chat_fields(args)
-    async with ChatClient(settings) as client:
+    async with ChatClient(_connection_settings(args)) as client:
         job = await client.submit(fields.pop("messages"), **fields)  # type: ignore[arg-type]
         if args.json:
             print((await job.result()).model_dump_json(exclude_none=True))
             return EXIT_OK
-        async for event in job.stream():
-            if isinstance(event, DeltaEvent):
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-            elif isinstance(event, DoneEvent):
-                sys.stdout.write("\n")
-                if event.reasoning:
-                    print(f"[reasoning]\n{event.reasoning}", file=sys.stderr)
-            elif isinstance(event, ErrorEvent):
-                sys.stdout.write("\n")
-                raise JobFailed(job.job_id, event.code, event.message)
-    return EXIT_OK
+        return await _print_stream(job)
 
 
-def run_chat_command(args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_chat(args))
-    except ConfigError as error:
-        _print_error("chat", error)
-        return EXIT_CONFIG
-    except InvalidRequest as error:
-        _print_error("chat", f"invalid request: {error}")
-        return EXIT_USAGE
-    except RedisUnavailable as error:
-        _print_error("chat", error)
-        return EXIT_UNAVAILABLE
-    except EdgeqError as error:
-        _print_error("chat", error)
-        return EXIT_JOB_FAILED
-    except KeyboardInterrupt:
-        return 130
+async def _watch(args: argparse.Namespace) -> int:
+    async with ChatClient(_connection_settings(args)) as client:
+        job = await client.attach(args.job_id, after_seq=args.after_seq)
+        return await _print_stream(job)
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    async with ChatClient(_connection_settings(args)) as client:
+        if await client.cancel(args.job_id, "cancelled with edgeq cancel"):
+            print(f"job {args.job_id} cancelled")
+            return EXIT_OK
+    _print_error("cancel", f"job {args.job_id} had already ended (or never existed)")
+    return EXIT_JOB_FAILED
+
+
+def _run_producer_command(name: str, command: Callable[[argparse.Namespace], Awaitable[int]]):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return asyncio.run(command(args))
+        except ConfigError as error:
+            _print_error(name, error)
+            return EXIT_CONFIG
+        except InvalidRequest as error:
+            _print_error(name, f"invalid request: {error}")
+            return EXIT_USAGE
+        except (RedisUnavailable, QueueFull) as error:
+            _print_error(name, error)
+            return EXIT_UNAVAILABLE
+        except EdgeqError as error:
+            _print_error(name, error)
+            return EXIT_JOB_FAILED
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+
+    return run
+
+
+run_chat_command = _run_producer_command("chat", _chat)
+run_watch_command = _run_producer_command("watch", _watch)
+run_cancel_command = _run_producer_command("cancel", _cancel)
 
 
 # --- worker-side commands --------------------------------------------------------------------
@@ -112,6 +144,11 @@ def run_make_tiny_model_command(args: argparse.Namespace) -> int:
 
 
 # --- the parser ------------------------------------------------------------------------------
+
+
+def _connection_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="overrides EDGEQ_REDIS_URL")
+    parser.add_argument("--queue", help="overrides EDGEQ_QUEUE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,10 +178,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning", action="store_true", help="print the reasoning (with --think) to stderr"
     )
     chat.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    chat.add_argument("--redis-url", help="overrides EDGEQ_REDIS_URL")
-    chat.add_argument("--queue", help="overrides EDGEQ_QUEUE")
+    _connection_options(chat)
     chat.add_argument("--timeout", type=float, help="overrides EDGEQ_STREAM_TIMEOUT_S")
     chat.set_defaults(handler=run_chat_command)
+
+    watch = commands.add_parser(
+        "watch", help="replay a job's stream from its buffer, then follow it live"
+    )
+    watch.add_argument("job_id")
+    watch.add_argument("--after-seq", type=int, default=-1, help="skip events up to this seq")
+    _connection_options(watch)
+    watch.add_argument("--timeout", type=float, help="overrides EDGEQ_STREAM_TIMEOUT_S")
+    watch.set_defaults(handler=run_watch_command)
+
+    cancel = commands.add_parser("cancel", help="cancel a queued or running job")
+    cancel.add_argument("job_id")
+    _connection_options(cancel)
+    cancel.set_defaults(handler=run_cancel_command)
 
     worker = commands.add_parser(
         "worker", help="run the worker: one warm engine serving the queue (needs edgeq[gpu|cpu])"
@@ -158,6 +208,53 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=run_make_tiny_model_command)
+
+    # edgeq bench: the code is in bench/ (tokenizer, matplotlib, maybe vLLM), imported only when
+    # it runs. Defaults are the seed article's workload (50 users, prompts of 64-256 tokens,
+    # 256-token answers) with edgeq's own sampling defaults, sent alike to every mode.
+    def run_bench_command(args: argparse.Namespace) -> int:
+        from bench.cli import run_bench_command as run
+
+        return run(args)
+
+    bench = commands.add_parser(
+        "bench",
+        help="load-test: a seeded chat workload through the queue, the engine or an OpenAI server",
+    )
+    bench.add_argument("--users", type=int, default=50, help="concurrent users (default: 50)")
+    per_user = bench.add_mutually_exclusive_group()
+    per_user.add_argument(
+        "--requests-per-user", type=int, default=1, help="sent one after another (default: 1)"
+    )
+    per_user.add_argument("--num-prompts", type=int, help="requests in all, dealt to the users")
+    bench.add_argument("--input-len-min", type=int, default=64, help="prompt tokens (default: 64)")
+    bench.add_argument("--input-len-max", type=int, default=256, help="(default: 256)")
+    bench.add_argument("--max-tokens", type=int, default=256, help="answer cap (default: 256)")
+    bench.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    bench.add_argument("--temperature", type=float, default=0.5, help="(default: 0.5)")
+    bench.add_argument("--top-p", type=float, default=0.9, help="(default: 0.9)")
+    bench.add_argument(
+        "--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:3000"
+    )
+    bench.add_argument("--out", type=Path, help="write the JSON report here")
+    bench.add_argument("--plot", type=Path, help="write latency CDFs and a histogram (PNG)")
+    bench.add_argument("--model", help="tokenizer and engine model (default: EDGEQ_MODEL)")
+    bench.add_argument(
+        "--queue", action="store_true", help="the worker serving EDGEQ_QUEUE (default mode)"
+    )
+    bench.add_argument(
+        "--start-worker", action="store_true", help="queue mode on a Redis + worker started here"
+    )
+    bench.add_argument("--direct", action="store_true", help="an engine in this process")
+    bench.add_argument("--openai", metavar="URL", help="an OpenAI-compatible server")
+    bench.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("A.env", "B.env"),
+        help="queue mode on two workers started here, one per settings file",
+    )
+    bench.set_defaults(handler=run_bench_command)
     return parser
 
 

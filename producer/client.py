@@ -8,10 +8,13 @@
 
 ``submit`` subscribes to the job's channel and waits for Redis to confirm the subscription
 before it enqueues, so not even the first token can be published before anyone listens.
+A stream that loses events (a dropped connection, a late reader) fills the gap from the job's
+replay buffer, so it is always complete, in order, with no duplicates.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -24,9 +27,15 @@ from pydantic import ValidationError
 from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
 
-from producer.errors import EdgeqError, JobFailed, JobTimeout, RedisUnavailable, StreamBroken
+from producer.errors import (
+    EdgeqError,
+    JobFailed,
+    JobTimeout,
+    QueueFull,
+    RedisUnavailable,
+    StreamBroken,
+)
 from producer.protocol import (
-    JOB_FUNCTION,
     ChatMessage,
     ChatRequest,
     ChatResult,
@@ -37,13 +46,20 @@ from producer.protocol import (
     decode_event,
     describe_validation_error,
     dump_json,
+    limit_problem,
     load_json,
     stream_channel,
 )
+from producer.queue import Enqueued, JobQueue
 from producer.settings import ConnectionSettings, load_settings, redacted_url
+from producer.streams import EventLog, declare_lost, lease_expired, read_events
 
 # A dead connection is noticed within this long even while a stream sits idle.
 REDIS_HEALTH_CHECK_INTERVAL_S = 15
+# While a stream is idle, how often to check that the job's worker still holds its lease.
+LEASE_CHECK_INTERVAL_S = 1.0
+# After a dropped connection, how long to wait between attempts to get the stream back.
+RECONNECT_DELAY_S = 0.25
 
 MessagesLike = str | ChatRequest | Sequence[ChatMessage | Mapping[str, Any]]
 
@@ -83,6 +99,12 @@ def redis_errors(url: str) -> Iterator[None]:
         raise RedisUnavailable(
             f"Redis at {redacted_url(url)} refused the credentials: {error}"
         ) from None
+    except redis.exceptions.ResponseError as error:
+        if "NOPERM" in str(error) or "NOAUTH" in str(error):
+            raise RedisUnavailable(
+                f"Redis at {redacted_url(url)} refused the command: {error}"
+            ) from None
+        raise
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
         raise RedisUnavailable(f"cannot reach Redis at {redacted_url(url)}: {error}") from None
 
@@ -101,29 +123,38 @@ def build_request(messages: MessagesLike, **fields: Any) -> ChatRequest:
         raise InvalidRequest(describe_validation_error(error)) from None
 
 
-class ChatJob:
-    """A submitted chat: read its events once with ``stream()``, or just await ``result()``."""
+async def _subscribe_confirmed(pubsub: PubSub, channel: str, timeout_s: float) -> None:
+    """SUBSCRIBE and wait for Redis's confirmation: from then on nothing published is missed."""
+    await pubsub.subscribe(channel)
+    deadline = time.monotonic() + timeout_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        message = await pubsub.get_message(timeout=remaining)
+        if message is not None and message["type"] == "subscribe":
+            return
+    raise redis.exceptions.TimeoutError(f"no confirmation of SUBSCRIBE {channel}")
 
-    def __init__(
-        self, job_id: str, pubsub: PubSub, *, stream_timeout_s: float, redis_url: str
-    ) -> None:
+
+class ChatJob:
+    """A chat job's stream: read it once with ``stream()``, or just await ``result()``."""
+
+    def __init__(self, client: ChatClient, job_id: str, pubsub: PubSub, after_seq: int) -> None:
         self.job_id = job_id
+        self._client = client
         self._pubsub: PubSub | None = pubsub
-        self._stream_timeout_s = stream_timeout_s
-        self._redis_url = redis_url
-        self._next_seq = 0
+        self._last_seq = after_seq
+        self._backlog: list[StreamEvent] = []
         self._text: list[str] = []
         self._terminal: DoneEvent | ErrorEvent | None = None
+        self._closed = False
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
-        """Yield the job's events in order, ending with its one terminal event."""
-        if self._terminal is not None:
-            return
-        if self._pubsub is None:
+        """Yield the job's events after ``after_seq`` in order, ending with its terminal event."""
+        if self._closed and self._terminal is None:
             raise EdgeqError(f"job {self.job_id}: the stream was closed before it ended")
         try:
             while self._terminal is None:
-                event = await self._next_event(self._pubsub)
+                event = await self._next_event()
+                self._last_seq = event.seq
                 if isinstance(event, DeltaEvent):
                     self._text.append(event.text)
                 else:
@@ -133,7 +164,7 @@ class ChatJob:
             await self.aclose()
 
     async def result(self) -> ChatResult:
-        """The whole answer; raises JobFailed if the job ended with an error event."""
+        """The whole answer (from ``after_seq`` on); raises JobFailed on an error event."""
         async for _ in self.stream():
             pass
         terminal = self._terminal
@@ -150,8 +181,13 @@ class ChatJob:
             reasoning=terminal.reasoning,
         )
 
+    async def cancel(self, reason: str = "cancelled by the client") -> bool:
+        """Stop the job (see ChatClient.cancel); its stream then ends with ``cancelled``."""
+        return await self._client.cancel(self.job_id, reason)
+
     async def aclose(self) -> None:
         """Stop listening (the job itself goes on); safe to call more than once."""
+        self._closed = True
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
             try:
@@ -159,32 +195,87 @@ class ChatJob:
             except (redis.exceptions.RedisError, OSError):
                 pass  # the connection is being dropped anyway
 
-    async def _next_event(self, pubsub: PubSub) -> DeltaEvent | DoneEvent | ErrorEvent:
-        deadline = time.monotonic() + self._stream_timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            with redis_errors(self._redis_url):
-                message = await pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=remaining
+    async def _next_event(self) -> StreamEvent:
+        settings = self._client.settings
+        deadline = time.monotonic() + settings.stream_timeout_s
+        while True:
+            if self._backlog:
+                return self._backlog.pop(0)
+            if time.monotonic() >= deadline:
+                raise JobTimeout(
+                    self.job_id,
+                    settings.stream_timeout_s,
+                    "is a worker running and serving this queue? "
+                    "(EDGEQ_STREAM_TIMEOUT_S sets the wait)",
                 )
-            if message is None or message["type"] != "message":
-                continue
             try:
-                event = decode_event(message["data"])
-            except ValidationError as error:
-                raise StreamBroken(f"job {self.job_id}: undecodable event: {error}") from None
-            if event.job_id != self.job_id:
-                raise StreamBroken(f"job {self.job_id}: got an event of job {event.job_id}")
-            if event.seq != self._next_seq:
-                raise StreamBroken(
-                    f"job {self.job_id}: expected event seq {self._next_seq}, got {event.seq}"
-                )
-            self._next_seq += 1
+                event = await self._receive(min(LEASE_CHECK_INTERVAL_S, settings.stream_timeout_s))
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                await self._reconnect(deadline)
+                continue
+            if event is None:
+                await self._check_worker_alive()
+                continue
+            if event.seq <= self._last_seq:
+                continue  # already seen (a replayed event arriving live too)
+            if event.seq > self._last_seq + 1:
+                await self._backfill()  # events were missed: the replay buffer has them
+                continue
             return event
-        raise JobTimeout(
-            self.job_id,
-            self._stream_timeout_s,
-            "is a worker running and serving this queue? (EDGEQ_STREAM_TIMEOUT_S sets the wait)",
-        )
+
+    async def _receive(self, wait_s: float) -> StreamEvent | None:
+        if self._pubsub is None:
+            raise redis.exceptions.ConnectionError("not subscribed")
+        message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=wait_s)
+        if message is None or message["type"] != "message":
+            return None
+        try:
+            event = decode_event(message["data"])
+        except ValidationError as error:
+            raise StreamBroken(f"job {self.job_id}: undecodable event: {error}") from None
+        if event.job_id != self.job_id:
+            raise StreamBroken(f"job {self.job_id}: got an event of job {event.job_id}")
+        return event
+
+    async def _backfill(self) -> None:
+        with redis_errors(self._client.settings.redis_url):
+            events = await read_events(self._client.redis, self.job_id, self._last_seq)
+        expected = self._last_seq + 1
+        for event in events:
+            if event.seq != expected:
+                raise StreamBroken(
+                    f"job {self.job_id}: event {expected} is gone from the replay buffer "
+                    f"(kept EDGEQ_REPLAY_TTL_S)"
+                )
+            expected += 1
+        self._backlog.extend(events)
+
+    async def _reconnect(self, deadline: float) -> None:
+        """Subscribe again, then fill in whatever was published while we were away."""
+        await self.aclose()
+        self._closed = False
+        while True:
+            try:
+                self._pubsub = await self._client._subscribe(self.job_id)
+                await self._backfill()
+                return
+            except RedisUnavailable:
+                await self.aclose()
+                self._closed = False
+                if time.monotonic() + RECONNECT_DELAY_S >= deadline:
+                    raise
+                await asyncio.sleep(RECONNECT_DELAY_S)
+
+    async def _check_worker_alive(self) -> None:
+        """If the job's worker stopped renewing its lease, end the job with ``worker_lost``."""
+        client = self._client
+        with redis_errors(client.settings.redis_url):
+            if await lease_expired(
+                client.redis, client.settings.queue, self.job_id, now_s=time.time()
+            ):
+                await declare_lost(
+                    client.redis, client.events, self.job_id, queue=client.queue.name
+                )
 
 
 class ChatClient:
@@ -196,7 +287,9 @@ class ChatClient:
         elif overrides:
             settings = settings.model_copy(update=overrides)
         self.settings = settings
-        self._redis = make_redis(settings)
+        self.redis = make_redis(settings)
+        self.queue = JobQueue(self.redis, settings.queue)
+        self.events = EventLog(self.redis, replay_ttl_s=settings.replay_ttl_s)
 
     @classmethod
     def from_url(cls, redis_url: str, **overrides: Any) -> ChatClient:
@@ -209,40 +302,82 @@ class ChatClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._redis.aclose()
+        await self.redis.aclose()
 
-    async def submit(self, messages: MessagesLike, **fields: Any) -> ChatJob:
-        """Validate, subscribe to the job's channel, wait for Redis to confirm, then enqueue."""
+    async def submit(
+        self, messages: MessagesLike, *, deadline_s: float | None = None, **fields: Any
+    ) -> ChatJob:
+        """Validate, subscribe to the job's channel, wait for Redis to confirm, then enqueue.
+
+        ``deadline_s`` (default EDGEQ_QUEUE_DEADLINE_S): a job not started by then ends with
+        ``expired`` and never starts. Raises QueueFull when EDGEQ_MAX_QUEUE jobs are queued
+        or running.
+        """
         request = build_request(messages, **fields)
+        payload = request.model_dump(mode="json", exclude_none=True)
+        settings = self.settings
+        problem = limit_problem(
+            request,
+            len(dump_json(payload)),
+            max_bytes=settings.max_request_bytes,
+            max_messages=settings.max_messages,
+            max_tokens=settings.max_tokens_limit,
+        )
+        if problem:
+            raise InvalidRequest(problem)
         job_id = uuid.uuid4().hex
-        url = self.settings.redis_url
-        pubsub = self._redis.pubsub()
+        pubsub = await self._subscribe(job_id)
         try:
-            with redis_errors(url):
-                await pubsub.subscribe(stream_channel(job_id))
-                await self._wait_for_subscription(pubsub)
-                await self._redis.enqueue_job(
-                    JOB_FUNCTION, request.model_dump(mode="json", exclude_none=True), _job_id=job_id
+            with redis_errors(settings.redis_url):
+                outcome = await self.queue.enqueue(
+                    job_id,
+                    payload,
+                    deadline_s=deadline_s if deadline_s is not None else settings.queue_deadline_s,
+                    max_depth=settings.max_queue,
                 )
         except BaseException:
             await pubsub.aclose()
             raise
-        return ChatJob(
-            job_id, pubsub, stream_timeout_s=self.settings.stream_timeout_s, redis_url=url
-        )
+        if outcome is not Enqueued.ACCEPTED:
+            await pubsub.aclose()
+            raise QueueFull(
+                f"queue {settings.queue} already holds {settings.max_queue} jobs "
+                f"(EDGEQ_MAX_QUEUE); try again shortly"
+            )
+        return ChatJob(self, job_id, pubsub, after_seq=-1)
 
     async def chat(self, messages: MessagesLike, **fields: Any) -> ChatResult:
         """Submit and wait for the whole answer."""
         job = await self.submit(messages, **fields)
         return await job.result()
 
-    async def _wait_for_subscription(self, pubsub: PubSub) -> None:
-        deadline = time.monotonic() + self.settings.redis_socket_timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            message = await pubsub.get_message(timeout=remaining)
-            if message is not None and message["type"] == "subscribe":
-                return
-        raise RedisUnavailable(
-            f"Redis at {redacted_url(self.settings.redis_url)} did not confirm the subscription "
-            f"within {self.settings.redis_socket_timeout_s:g} s"
-        )
+    async def attach(self, job_id: str, *, after_seq: int = -1) -> ChatJob:
+        """Follow an existing job from ``after_seq`` on: what was published is replayed from the
+        job's buffer (kept EDGEQ_REPLAY_TTL_S), then the stream follows live, with no gap and
+        no duplicate. Works after the job finished, until its buffer expires."""
+        pubsub = await self._subscribe(job_id)
+        job = ChatJob(self, job_id, pubsub, after_seq=after_seq)
+        try:
+            await job._backfill()
+        except BaseException:
+            await job.aclose()
+            raise
+        return job
+
+    async def cancel(self, job_id: str, reason: str = "cancelled by the client") -> bool:
+        """End a job with ``cancelled``: a queued job never starts, a running one is aborted in
+        the engine. False if it had already ended."""
+        with redis_errors(self.settings.redis_url):
+            return await self.queue.cancel(self.events, job_id, reason)
+
+    async def _subscribe(self, job_id: str) -> PubSub:
+        pubsub = self.redis.pubsub()
+        try:
+            with redis_errors(self.settings.redis_url):
+                await _subscribe_confirmed(
+                    pubsub, stream_channel(job_id), self.settings.redis_socket_timeout_s
+                )
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub

@@ -11,6 +11,10 @@ class RedisUnavailable(EdgeqError):
     """Redis could not be reached or stopped answering (the URL in the message is redacted)."""
 
 
+class QueueFull(EdgeqError):
+    """The queue already holds EDGEQ_MAX_QUEUE jobs; nothing was enqueued. Retry later."""
+
+
 class JobFailed(EdgeqError):
     """The job ended with an ``error`` event; ``code`` is the stable word from the wire contract."""
 

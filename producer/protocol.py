@@ -23,6 +23,16 @@ def stream_channel(job_id: str) -> str:
     return f"{STREAM_CHANNEL_PREFIX}{job_id}"
 
 
+def job_key(job_id: str) -> str:
+    """arq's key holding a job's payload."""
+    return f"arq:job:{job_id}"
+
+
+def in_progress_key(job_id: str) -> str:
+    """arq's key marking a job as taken by a worker."""
+    return f"arq:in-progress:{job_id}"
+
+
 class ErrorCode(StrEnum):
     """Stable short words for why a job ended without an answer."""
 
@@ -64,6 +74,29 @@ class ChatRequest(BaseModel):
     @classmethod
     def _single_stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+
+def limit_problem(
+    request: ChatRequest, size_bytes: int, *, max_bytes: int, max_messages: int, max_tokens: int
+) -> str | None:
+    """Why a request exceeds the box's size limits, or None. Checked by the producer and
+    again by the worker (a producer in another language may not check)."""
+    if size_bytes > max_bytes:
+        return (
+            f"request: {size_bytes} bytes, more than the {max_bytes} allowed "
+            f"(EDGEQ_MAX_REQUEST_BYTES)"
+        )
+    if len(request.messages) > max_messages:
+        return (
+            f"messages: {len(request.messages)} messages, more than the {max_messages} "
+            f"allowed (EDGEQ_MAX_MESSAGES)"
+        )
+    if request.max_tokens is not None and request.max_tokens > max_tokens:
+        return (
+            f"max_tokens: {request.max_tokens}, more than the {max_tokens} allowed "
+            f"(EDGEQ_MAX_TOKENS_LIMIT)"
+        )
+    return None
 
 
 def describe_validation_error(error: ValidationError) -> str:

@@ -52,6 +52,29 @@ class ConnectionSettings(BaseSettings):
         ),
     )
 
+    # Reliability: limits and deadlines every job gets (see README, "Guarantees").
+    max_queue: int = Field(
+        1000, ge=0, description="Refuse new jobs while this many are queued or running (0: off)."
+    )
+    queue_deadline_s: float = Field(
+        60.0, gt=0, description="A job not started within this long ends with `expired`."
+    )
+    replay_ttl_s: float = Field(
+        600.0, gt=0, description="How long a job's events stay readable for attach/watch."
+    )
+    lease_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="A running job whose worker is silent this long ends with `worker_lost`.",
+    )
+    max_request_bytes: int = Field(
+        1_000_000, ge=1024, description="Largest request payload accepted, in bytes."
+    )
+    max_messages: int = Field(256, ge=1, description="Most messages in one request.")
+    max_tokens_limit: int = Field(
+        8192, ge=1, description="Largest max_tokens a request may ask for."
+    )
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:

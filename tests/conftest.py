@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import engine_env
+from helpers import FIGURES, engine_env
 from producer.client import ChatClient
 from worker.localrun import RedisServer, WorkerProcess
 from worker.tiny_model import make_tiny_model
@@ -53,3 +53,10 @@ async def client(worker: WorkerProcess) -> AsyncIterator[ChatClient]:
 def cli_env(worker: WorkerProcess) -> dict[str, str]:
     """Environment for running `edgeq ...` against the shared worker."""
     return {**os.environ, **worker.env}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if FIGURES:
+        terminalreporter.section("measured by the chaos tests")
+        for name, value in FIGURES.items():
+            terminalreporter.write_line(f"{name}: {value}")

@@ -19,6 +19,8 @@ TEST_MAX_MODEL_LEN = 512
 TEST_MAX_NUM_BATCHED_TOKENS = 128
 EDGEQ = [sys.executable, "-m", "producer.cli"]
 TERMINAL_TYPES = {"done", "error"}
+# Figures measured by the chaos tests, printed at the end of the run.
+FIGURES: dict[str, object] = {}
 
 
 def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:

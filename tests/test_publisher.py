@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from producer.protocol import Timings, Usage, stream_channel
+from producer.streams import EventLog, read_events
 from worker.publisher import StreamClosed, StreamPublisher
 
 
@@ -44,7 +45,9 @@ async def received(pubsub: PubSub) -> list[dict]:
 
 async def test_first_text_at_once_then_at_most_one_delta_per_interval(redis: Redis) -> None:
     clock = FakeClock()
-    publisher = StreamPublisher(redis, "p1", interval_s=0.05, clock=clock)
+    publisher = StreamPublisher(
+        EventLog(redis, replay_ttl_s=60), "p1", interval_s=0.05, clock=clock
+    )
     pubsub = await subscribed(redis, "p1")
 
     await publisher.publish_text("A")  # first text: published at once
@@ -75,7 +78,7 @@ async def test_first_text_at_once_then_at_most_one_delta_per_interval(redis: Red
 
 
 async def test_exactly_one_terminal_event(redis: Redis) -> None:
-    publisher = StreamPublisher(redis, "p2", interval_s=0)
+    publisher = StreamPublisher(EventLog(redis, replay_ttl_s=60), "p2", interval_s=0)
     pubsub = await subscribed(redis, "p2")
     await publisher.publish_error("cancelled", "stopped")
     with pytest.raises(StreamClosed):
@@ -84,3 +87,29 @@ async def test_exactly_one_terminal_event(redis: Redis) -> None:
         await publisher.publish_text("late")
     assert [(e["type"], e["seq"]) for e in await received(pubsub)] == [("error", 0)]
     await pubsub.aclose()
+
+
+async def test_a_stream_ended_elsewhere_refuses_the_workers_next_event(redis: Redis) -> None:
+    """A cancel (or a reaper) ends the stream; the worker learns it at its next publish."""
+    log = EventLog(redis, replay_ttl_s=60)
+    publisher = StreamPublisher(log, "p3", interval_s=0)
+    await publisher.publish_text("a")
+    from producer.protocol import ErrorEvent
+
+    await log.append(ErrorEvent(job_id="p3", seq=0, code="cancelled", message="by the client"))
+    with pytest.raises(StreamClosed):
+        await publisher.publish_text("b")
+    assert publisher.closed
+    events = await read_events(redis, "p3")
+    assert [(e.type, e.seq) for e in events] == [("delta", 0), ("error", 1)]
+
+
+async def test_the_replay_buffer_holds_every_event_with_its_seq(redis: Redis) -> None:
+    log = EventLog(redis, replay_ttl_s=60)
+    publisher = StreamPublisher(log, "p4", interval_s=0)
+    for piece in "abc":
+        await publisher.publish_text(piece)
+    await publisher.publish_error("timeout", "too slow")
+    assert [e.seq for e in await read_events(redis, "p4")] == [0, 1, 2, 3]
+    assert [e.seq for e in await read_events(redis, "p4", after_seq=1)] == [2, 3]
+    assert 0 < await redis.pttl("edgeq:events:{p4}") <= 60_000

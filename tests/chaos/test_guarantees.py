@@ -1,0 +1,359 @@
+"""README's "Guarantees", each checked against real processes: a private Redis (with a
+password and an ACL user, persisted), real worker processes that are killed, drained and
+restarted, and the shared worker for the rest. Figures are printed at the end of the run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from helpers import FIGURES, arq_job_bytes, engine_env, run_raw_job
+from producer.client import ChatClient
+from producer.errors import JobFailed, QueueFull, RedisUnavailable
+from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from worker.localrun import RedisServer, WorkerProcess, free_port
+
+pytestmark = pytest.mark.engine
+
+PASSWORD = "s3cret-pw"
+ACL_USER, ACL_PASSWORD = "edgeq", "acl-pw"
+LEASE_TTL_S = 2.0
+DRAIN_TIMEOUT_S = 30.0
+LONG = 300  # tokens: long enough to be mid-stream when something happens
+FULL_LENGTH_SEED = 8  # draws no end-of-turn token within LONG tokens on the tiny model
+
+
+# --- fixtures: an authenticated, persisted Redis and workers we can kill ---------------------
+
+
+@pytest.fixture(scope="module")
+def auth_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    data = tmp_path_factory.mktemp("redis-data")
+    server = RedisServer(
+        extra_args=(
+            "--requirepass", PASSWORD,
+            "--user", f"{ACL_USER}", "on", f">{ACL_PASSWORD}", "~*", "&*", "+@all",
+            "--appendonly", "yes", "--appendfsync", "always", "--dir", str(data),
+        )
+    ).start()  # fmt: skip
+    yield server
+    server.stop()
+
+
+def acl_url(server: RedisServer) -> str:
+    return f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{server.port}/0"
+
+
+def start_worker(tiny_model: Path, url: str, log_dir: Path, name: str) -> WorkerProcess:
+    env = engine_env(tiny_model, url, "edgeq:chaos") | {
+        "EDGEQ_LEASE_TTL_S": str(LEASE_TTL_S),
+        "EDGEQ_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+    }
+    worker = WorkerProcess(env, log_dir / f"{name}.log").start()
+    worker.wait_ready()
+    return worker
+
+
+@pytest.fixture
+async def chaos_client(auth_redis: RedisServer) -> AsyncIterator[ChatClient]:
+    async with ChatClient(
+        redis_url=acl_url(auth_redis), queue="edgeq:chaos", lease_ttl_s=LEASE_TTL_S
+    ) as client:
+        yield client
+
+
+async def first_delta(job) -> tuple[list[StreamEvent], AsyncIterator[StreamEvent]]:
+    stream = job.stream()
+    seen = [await anext(stream)]
+    assert isinstance(seen[0], DeltaEvent)
+    return seen, stream
+
+
+# --- one worker lifecycle: drain, kill, restart, Redis restart -------------------------------
+
+
+async def test_sigterm_lets_twenty_running_chats_finish(
+    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+) -> None:
+    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "drain")
+    jobs = [
+        await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+        for i in range(20)
+    ]
+    streams = [(await first_delta(job))[1] for job in jobs]  # all of them are generating
+    signalled = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+
+    async def rest_of(stream: AsyncIterator[StreamEvent]) -> StreamEvent:
+        return [event async for event in stream][-1]
+
+    terminals = await asyncio.gather(*(rest_of(stream) for stream in streams))
+    drained_s = time.monotonic() - signalled
+    exit_code = await asyncio.to_thread(worker.process.wait, 60)
+    # Every chat ran to its end (done), none was cut short with `shutdown`.
+    assert all(isinstance(t, DoneEvent) for t in terminals), terminals
+    assert drained_s < DRAIN_TIMEOUT_S
+    assert exit_code == 0, worker.tail()
+    FIGURES["drain: 20 running chats finished after SIGTERM in (s)"] = round(drained_s, 2)
+
+
+async def test_sigkill_mid_stream_ends_with_worker_lost_and_a_new_worker_serves(
+    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+) -> None:
+    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "killed")
+    job = await chaos_client.submit("doomed", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+    seen, stream = await first_delta(job)
+    worker.stop(signal.SIGKILL)  # no code runs in the worker: no goodbye event
+    killed = time.monotonic()
+    rest = [event async for event in stream]
+    noticed_s = time.monotonic() - killed
+
+    terminal = rest[-1]
+    assert isinstance(terminal, ErrorEvent) and terminal.code == "worker_lost"
+    assert "safe to submit it again" in terminal.message
+    assert [e.seq for e in seen + rest] == list(range(len(seen + rest)))
+    assert noticed_s < LEASE_TTL_S + 3
+    FIGURES["SIGKILL mid-stream -> worker_lost after (s)"] = round(noticed_s, 2)
+
+    replacement = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "replacement")
+    try:
+        assert (await chaos_client.chat("after the crash", max_tokens=4)).usage.completion_tokens
+        # The lost job is never re-run: its stream still ends with that one worker_lost.
+        events = [e async for e in (await chaos_client.attach(job.job_id)).stream()]
+        assert events[-1].type == "error" and events[-1].seq == terminal.seq
+    finally:
+        replacement.stop()
+
+
+async def test_redis_restart_under_load_every_accepted_job_ends_with_a_terminal_event(
+    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+) -> None:
+    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "redis-restart")
+    try:
+        jobs = [
+            await chaos_client.submit(f"load {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            for i in range(10)
+        ]
+        await asyncio.sleep(0.3)  # the worker is generating for them now
+        auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
+        await asyncio.sleep(1.0)
+        with pytest.raises(RedisUnavailable):  # producers get a clear error meanwhile
+            await chaos_client.submit("while Redis is away", max_tokens=4)
+        auth_redis.start()
+
+        async def outcome(job) -> str:
+            try:
+                await job.result()
+                return "done"
+            except JobFailed as failure:
+                return failure.code
+
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(outcome(job) for job in jobs)), timeout=90
+        )
+        assert len(outcomes) == 10  # each ended with exactly one terminal event
+        assert set(outcomes) <= {"done", "worker_lost"}
+        FIGURES["Redis restart: outcomes of 10 running chats"] = {
+            code: outcomes.count(code) for code in sorted(set(outcomes))
+        }
+        # The worker kept its warm engine through the outage.
+        assert worker.process.poll() is None
+        assert (await chaos_client.chat("after the restart", max_tokens=4)).usage
+    finally:
+        worker.stop()
+
+
+# --- against the shared worker ----------------------------------------------------------------
+
+
+async def test_cancel_during_generation_aborts_the_engine_request(
+    client: ChatClient, worker: WorkerProcess
+) -> None:
+    job = await client.submit("cancel me", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+    _, stream = await first_delta(job)
+    asked = time.monotonic()
+    assert await job.cancel()
+    rest = [event async for event in stream]
+    latency_ms = (time.monotonic() - asked) * 1000
+    assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
+    assert not any(isinstance(e, DoneEvent) for e in rest)
+    FIGURES["cancel -> terminal event (ms)"] = round(latency_ms, 1)
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stopped = [
+            e for e in worker.log_events()
+            if e.get("event") == "job_stopped" and e.get("job_id") == job.job_id
+        ]  # fmt: skip
+        if stopped:
+            break
+        await asyncio.sleep(0.05)
+    assert stopped, "the worker never stopped the cancelled generation"
+    assert stopped[0]["engine_unfinished_requests"] == 0  # the engine's own count
+    assert await job.cancel() is False  # already ended
+
+
+async def test_a_job_cancelled_while_queued_never_starts(
+    client: ChatClient, worker: WorkerProcess
+) -> None:
+    os.kill(worker.process.pid, signal.SIGSTOP)  # nothing is picked up meanwhile
+    try:
+        job = await client.submit("never", max_tokens=8)
+        assert await client.cancel(job.job_id)
+    finally:
+        os.kill(worker.process.pid, signal.SIGCONT)
+    with pytest.raises(JobFailed) as failure:
+        await job.result()
+    assert failure.value.code == "cancelled"
+    await asyncio.sleep(0.3)
+    assert not [e for e in worker.log_events() if e.get("job_id") == job.job_id
+                and e.get("event") == "job_started"]  # fmt: skip
+
+
+async def test_a_job_past_its_queue_deadline_expires_and_never_starts(
+    client: ChatClient, worker: WorkerProcess
+) -> None:
+    os.kill(worker.process.pid, signal.SIGSTOP)
+    try:
+        job = await client.submit("too late", max_tokens=8, deadline_s=0.2)
+        await asyncio.sleep(0.5)
+    finally:
+        os.kill(worker.process.pid, signal.SIGCONT)
+    with pytest.raises(JobFailed) as failure:
+        await job.result()
+    assert failure.value.code == "expired"
+    assert not [e for e in worker.log_events() if e.get("job_id") == job.job_id
+                and e.get("event") == "job_started"]  # fmt: skip
+
+
+async def test_a_burst_past_max_queue_accepts_exactly_the_limit(redis_server: RedisServer) -> None:
+    limit = 20
+    queue = f"edgeq:burst:{free_port()}"  # no worker: accepted jobs stay queued
+    async with ChatClient(redis_url=redis_server.url, queue=queue, max_queue=limit) as client:
+
+        async def try_submit() -> str:
+            try:
+                job = await client.submit("burst", max_tokens=1)
+                await job.aclose()
+                return "accepted"
+            except QueueFull:
+                return "refused"
+
+        outcomes = await asyncio.gather(*(try_submit() for _ in range(60)))
+        assert outcomes.count("accepted") == limit
+        assert await client.queue.depth() == limit
+    FIGURES["burst of 60 submits at EDGEQ_MAX_QUEUE=20: accepted"] = outcomes.count("accepted")
+
+
+async def test_attach_mid_stream_and_after_done_gives_the_whole_stream(
+    client: ChatClient,
+) -> None:
+    job = await client.submit("attach", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+    seen, stream = await first_delta(job)
+    late = await client.attach(job.job_id)  # joins mid-stream, from the start
+    original = seen + [event async for event in stream]
+    joined_late = [event async for event in late.stream()]
+    assert joined_late == original
+    after_done = [event async for event in (await client.attach(job.job_id)).stream()]
+    assert after_done == original
+    resumed = await client.attach(job.job_id, after_seq=2)
+    assert [event async for event in resumed.stream()] == original[3:]
+
+
+# --- security --------------------------------------------------------------------------------
+
+
+class _WritesMarker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "pwned"))
+
+
+MARKER = Path("/tmp") / f"edgeq-pickle-marker-{os.getpid()}"
+
+requests = st.fixed_dictionaries(
+    {"messages": st.one_of(st.none(), st.text(), st.lists(st.dictionaries(
+        st.sampled_from(["role", "content", "name"]),
+        st.one_of(st.text(max_size=5), st.integers(), st.none()), max_size=3), max_size=3))},
+    optional={
+        "temperature": st.one_of(st.floats(allow_nan=False), st.text(max_size=3)),
+        "top_p": st.floats(allow_nan=False, allow_infinity=False),
+        "max_tokens": st.integers(-5, 10**9),
+        "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=2), max_size=2)),
+        "unexpected": st.integers(),
+    },
+)  # fmt: skip
+payloads = st.one_of(
+    st.binary(max_size=64),
+    st.text(max_size=64).map(str.encode),
+    requests.map(arq_job_bytes),
+    st.builds(lambda path: pickle.dumps({"f": "chat", "a": [_WritesMarker(path)], "k": {}}),
+              st.just(str(MARKER))),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=3).map(
+        lambda d: pickle.dumps(d, protocol=2)),
+)  # fmt: skip
+
+
+def test_two_hundred_malformed_payloads_each_end_in_a_clear_error(
+    worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    counts = {"payloads": 0, "invalid_request": 0, "other": 0}
+    loop = asyncio.new_event_loop()
+    redis = Redis.from_url(redis_server.url)
+
+    @settings(max_examples=200, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(payloads)
+    def one_payload(payload: bytes) -> None:
+        events = loop.run_until_complete(
+            run_raw_job(redis, worker.env["EDGEQ_QUEUE"], payload, timeout_s=30)
+        )
+        counts["payloads"] += 1
+        assert [e["seq"] for e in events] == list(range(len(events)))
+        terminal = events[-1]
+        if terminal["type"] == "error":
+            # An empty payload reads to arq as a payload that is gone: `expired`.
+            assert terminal["code"] in {"invalid_request", "expired"}, terminal
+            assert terminal["message"]
+            counts["invalid_request"] += 1
+        else:
+            counts["other"] += 1  # hypothesis found a valid chat: it must have completed
+            assert terminal["type"] == "done", terminal
+
+    try:
+        one_payload()
+    finally:
+        loop.run_until_complete(redis.aclose())
+        loop.close()
+    assert counts["payloads"] >= 200
+    assert worker.process.poll() is None, "the worker died"
+    assert not MARKER.exists(), "a pickle was executed"
+    FIGURES["malformed payloads: sent / invalid_request / valid"] = (
+        f"{counts['payloads']} / {counts['invalid_request']} / {counts['other']}"
+    )
+
+
+async def test_a_wrong_password_is_a_clear_error_without_the_password(
+    auth_redis: RedisServer,
+) -> None:
+    url = f"redis://{ACL_USER}:not-the-password@127.0.0.1:{auth_redis.port}/0"
+    async with ChatClient(redis_url=url) as client:
+        with pytest.raises(RedisUnavailable) as failure:
+            await client.submit("hi")
+    assert "refused the credentials" in str(failure.value)
+    assert "not-the-password" not in str(failure.value)
+    async with ChatClient(redis_url=f"redis://127.0.0.1:{auth_redis.port}/0") as client:
+        with pytest.raises(RedisUnavailable):
+            await client.submit("hi")  # no password at all
