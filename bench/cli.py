@@ -1,0 +1,198 @@
+"""``edgeq bench``: build the workload, run each mode in turn, print and save the figures.
+
+The parser lives in ``producer/cli.py``; this module is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from dotenv import dotenv_values
+from tqdm import tqdm
+
+from bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
+from bench.records import ModeRun
+from bench.report import build_report, format_table, plot_runs, write_json
+from bench.runners import ModeKind, ModePlan, run_plan
+from bench.workload import WorkloadError, WorkloadSpec, build_workload, load_tokenizer
+from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_USAGE
+from producer.settings import ConfigError, load_settings
+
+#: The shell's status for a run ended by Ctrl-C (128 + SIGINT), as ``edgeq chat`` returns.
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """The command line asks for something that cannot run; the message says what."""
+
+
+def _say(message: str) -> None:
+    print(f"edgeq bench: {message}", file=sys.stderr, flush=True)
+
+
+class ProgressBar:
+    """tqdm on stderr over the measured requests only (not the set-up before them)."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._bar: tqdm[Any] | None = None
+
+    def start(self, total: int) -> None:
+        self._bar = tqdm(total=total, desc=self._label, unit="req", file=sys.stderr)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, number = name, 2
+    while candidate in taken:
+        candidate, number = f"{name}-{number}", number + 1
+    taken.add(candidate)
+    return candidate
+
+
+def plan_modes(args: argparse.Namespace) -> list[ModePlan]:
+    """The modes in the order they run: queue, compared workers, direct, OpenAI."""
+    if args.start_worker and args.queue:
+        raise UsageError("--queue uses a running worker, --start-worker starts one: pick one")
+    taken: set[str] = set()
+    plans: list[ModePlan] = []
+    others = args.direct or args.openai is not None or args.compare is not None
+    if args.start_worker:
+        plans.append(ModePlan(_unique("queue", taken), ModeKind.QUEUE, worker_env={}))
+    elif args.queue or not others:
+        plans.append(ModePlan(_unique("queue", taken), ModeKind.QUEUE))
+    for env_file in args.compare or ():
+        if not env_file.is_file():
+            raise UsageError(f"--compare: {env_file} is not a file")
+        values = {key: value for key, value in dotenv_values(env_file).items() if value is not None}
+        plans.append(ModePlan(_unique(env_file.stem, taken), ModeKind.QUEUE, worker_env=values))
+    if args.direct:
+        plans.append(ModePlan(_unique("direct", taken), ModeKind.DIRECT))
+    if args.openai is not None:
+        plans.append(ModePlan(_unique("openai", taken), ModeKind.OPENAI, url=args.openai))
+    return plans
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    if args.users < 1:
+        raise UsageError("--users must be at least 1")
+    if args.requests_per_user < 1:
+        raise UsageError("--requests-per-user must be at least 1")
+    num = args.num_prompts if args.num_prompts is not None else args.users * args.requests_per_user
+    return WorkloadSpec(
+        num_requests=num,
+        input_len_min=args.input_len_min,
+        input_len_max=args.input_len_max,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def default_model() -> str:
+    """EDGEQ_MODEL (environment or .env), the model a worker on this box would load."""
+    from worker.settings import WorkerSettings  # settings only: no engine is imported
+
+    return load_settings(WorkerSettings).model
+
+
+def run_config(
+    args: argparse.Namespace, spec: WorkloadSpec, model: str, template_tokens: int
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "users": args.users,
+        "num_prompts": spec.num_requests,
+        "input_len_min": spec.input_len_min,
+        "input_len_max": spec.input_len_max,
+        "max_tokens": spec.max_tokens,
+        "temperature": spec.temperature,
+        "top_p": spec.top_p,
+        "seed": spec.seed,
+        "goodput_slos_ms": parse_goodput(args.goodput or ()),
+        "template_tokens": template_tokens,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def collect_metrics(
+    runs: Sequence[ModeRun], slos_ms: Mapping[str, float]
+) -> dict[str, BenchMetrics]:
+    return {
+        run.name: calculate_metrics(run.records, run.duration_s, slos_ms)
+        for run in runs
+        if run.error is None and run.records
+    }
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    try:
+        plans = plan_modes(args)
+        spec = workload_spec(args)
+        slos_ms = parse_goodput(args.goodput or ())
+        model = args.model or default_model()
+    except (UsageError, WorkloadError, ValueError) as error:
+        _say(str(error))
+        return EXIT_USAGE
+    except ConfigError as error:
+        _say(str(error))
+        return EXIT_CONFIG
+
+    _say(f"building the workload with the tokenizer of {model}")
+    try:
+        tokenizer = load_tokenizer(model)
+    except (OSError, ValueError) as error:
+        _say(f"cannot load the tokenizer of {model}: {error}")
+        return EXIT_CONFIG
+    try:
+        workload = build_workload(spec, tokenizer, model)
+    except WorkloadError as error:
+        _say(str(error))
+        return EXIT_USAGE
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    runs: list[ModeRun] = []
+    try:
+        for plan in plans:
+            # Every mode gets the tokenizer's model, so prompt lengths hold in each.
+            plan = ModePlan(plan.name, plan.kind, plan.worker_env, plan.url, {"model": model})
+            if plan.worker_env is not None:
+                _say(f"{plan.name}: starting a private Redis and a worker (engine start-up first)")
+            elif plan.kind is ModeKind.DIRECT:
+                _say(f"{plan.name}: building the engine in this process")
+            progress = ProgressBar(plan.name)
+            run = run_plan(plan, workload, args.users, count_tokens=count_tokens, progress=progress)
+            if run.error is not None:
+                _say(f"{plan.name}: {run.error}")
+            runs.append(run)
+    except KeyboardInterrupt:  # workers and Redis started here are stopped on the way out
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+
+    config = run_config(args, spec, model, workload.template_tokens)
+    config["modes"] = [{"name": p.name, "kind": p.kind.value, "url": p.url} for p in plans]
+    metrics = collect_metrics(runs, slos_ms)
+    print(format_table(config, runs, metrics))
+    if args.out is not None:
+        write_json(build_report(config, runs, metrics), args.out)
+        _say(f"report written to {args.out}")
+    if args.plot is not None:
+        plot_runs(config, runs, args.plot)
+        _say(f"plot written to {args.plot}")
+    return EXIT_OK if all(run.error is None for run in runs) else EXIT_JOB_FAILED

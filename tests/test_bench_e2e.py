@@ -1,0 +1,194 @@
+"""`edgeq bench` end to end on real parts: through the shared worker (Redis, arq, the engine
+process, pub/sub) and straight on an engine built in this process, both on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.metrics import calculate_metrics
+from bench.records import ModeRun
+from bench.runners import run_target
+from bench.targets import DirectTarget, QueueTarget
+from bench.workload import Workload, WorkloadSpec, build_workload, load_tokenizer
+from helpers import EDGEQ, TEST_MAX_MODEL_LEN
+from producer.settings import ConnectionSettings, load_settings
+from worker.localrun import WorkerProcess
+from worker.settings import WorkerSettings
+
+pytestmark = pytest.mark.engine
+
+USERS = 4
+REQUESTS_PER_USER = 2
+# The tiny model's chat template alone is 22 tokens, so its shortest prompt is 23.
+INPUT_LEN_MIN = 24
+INPUT_LEN_MAX = 48
+MAX_TOKENS = 16
+SEED = 7
+# Roomy: the CLI imports transformers and matplotlib before the first request.
+CLI_TIMEOUT_S = 180
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Rounding of sums of float gaps, in seconds.
+CLOCK_SLACK_S = 1e-6
+
+SUMMARY_KEYS = {
+    "completed",
+    "failed",
+    "success_rate",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+}
+LATENCY_KEYS = {
+    f"{stat}_{name}_ms"
+    for name in ("ttft", "tpot", "itl", "e2el")
+    for stat in ("mean", "median", "std", "p90", "p99")
+}
+QUEUE_KEYS = {f"{stat}_queued_ms" for stat in ("mean", "median", "std", "p90", "p99")}
+
+
+def the_workload(
+    tiny_model: Path,
+    *,
+    num_requests: int = USERS * REQUESTS_PER_USER,
+    input_len_min: int = INPUT_LEN_MIN,
+    input_len_max: int = INPUT_LEN_MAX,
+    max_tokens: int = MAX_TOKENS,
+    seed: int = SEED,
+) -> Workload:
+    spec = WorkloadSpec(
+        num_requests=num_requests,
+        input_len_min=input_len_min,
+        input_len_max=input_len_max,
+        max_tokens=max_tokens,
+        temperature=0.5,
+        top_p=0.9,
+        seed=seed,
+    )
+    return build_workload(spec, load_tokenizer(str(tiny_model)), str(tiny_model))
+
+
+def assert_requests_match_the_workload(requests: list[dict[str, Any]], workload: Workload) -> None:
+    assert [r["index"] for r in requests] == list(range(len(workload.requests)))
+    for record, asked in zip(requests, workload.requests, strict=True):
+        assert record["success"], record["error"]
+        # The engine rendered exactly the prompt length the workload drew.
+        assert record["prompt_tokens"] == asked.prompt_tokens
+        assert record["reported_prompt_tokens"] == asked.prompt_tokens
+        assert INPUT_LEN_MIN <= asked.prompt_tokens <= INPUT_LEN_MAX
+        assert 1 <= record["output_tokens"] <= MAX_TOKENS
+        if record["finish_reason"] == "length":
+            assert record["output_tokens"] == MAX_TOKENS
+        assert 0 < record["ttft_s"] <= record["e2el_s"]
+        assert record["ttft_s"] + sum(record["itl_s"]) <= record["e2el_s"] + CLOCK_SLACK_S
+
+
+def test_bench_through_the_queue(
+    worker: WorkerProcess, cli_env: dict[str, str], tiny_model: Path, tmp_path: Path
+) -> None:
+    out, plot = tmp_path / "report.json", tmp_path / "bench.png"
+    completed = subprocess.run(
+        [
+            *EDGEQ,
+            "bench",
+            *("--users", str(USERS), "--requests-per-user", str(REQUESTS_PER_USER)),
+            *("--input-len-min", str(INPUT_LEN_MIN), "--input-len-max", str(INPUT_LEN_MAX)),
+            *("--max-tokens", str(MAX_TOKENS), "--seed", str(SEED)),
+            *("--model", str(tiny_model), "--goodput", "ttft:60000", "e2el:60000"),
+            *("--out", str(out), "--plot", str(plot)),
+        ],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "Mean TTFT (ms)" in completed.stdout
+    assert "Mean queue wait (ms)" in completed.stdout
+
+    report = json.loads(out.read_text())
+    assert report["config"]["num_prompts"] == USERS * REQUESTS_PER_USER
+    [mode] = report["modes"]
+    assert mode["name"] == "queue" and mode["error"] is None
+    metrics = mode["metrics"]
+    assert SUMMARY_KEYS | LATENCY_KEYS | QUEUE_KEYS <= metrics.keys()
+    assert all(metrics[key] is not None for key in SUMMARY_KEYS | LATENCY_KEYS | QUEUE_KEYS)
+    assert metrics["success_rate"] == 1.0
+    assert metrics["completed"] == USERS * REQUESTS_PER_USER and metrics["failed"] == 0
+    # Generous SLOs: every request is good, so goodput equals throughput.
+    assert metrics["request_goodput"] == pytest.approx(metrics["request_throughput"])
+
+    workload = the_workload(tiny_model)  # the same seed builds the same prompts here
+    requests = mode["requests"]
+    assert_requests_match_the_workload(requests, workload)
+    assert metrics["total_output_tokens"] == sum(r["output_tokens"] for r in requests)
+    assert metrics["total_input_tokens"] == sum(r["prompt_tokens"] for r in requests)
+    for record in requests:
+        assert 0 <= record["queued_ms"] <= record["worker_ttft_ms"] <= record["worker_total_ms"]
+    assert {record["user"] for record in requests} == set(range(USERS))
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+async def test_bench_direct_on_an_engine_in_this_process(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EDGEQ_CPU_KV_CACHE_GIB", "1")
+    monkeypatch.setenv("EDGEQ_MAX_MODEL_LEN", str(TEST_MAX_MODEL_LEN))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    settings = load_settings(WorkerSettings, model=str(tiny_model))
+    workload = the_workload(tiny_model)
+
+    run: ModeRun = await run_target(DirectTarget(settings), workload, USERS, None)
+
+    assert run.error is None and run.duration_s > 0
+    requests = [record.to_json() for record in run.records]
+    assert_requests_match_the_workload(requests, workload)
+    for record in run.records:
+        # Straight on the engine the last chunk ends the answer: vLLM's identity holds exactly.
+        assert record.ttft_s + sum(record.itl_s) == pytest.approx(record.e2el_s)
+        assert record.queued_ms is None
+    metrics = calculate_metrics(run.records, run.duration_s).to_json()
+    assert SUMMARY_KEYS | LATENCY_KEYS <= metrics.keys()
+    assert metrics["success_rate"] == 1.0
+    assert metrics["request_goodput"] is None
+    assert "mean_queued_ms" not in metrics
+    assert metrics["total_output_tokens"] == sum(r.output_tokens for r in run.records)
+
+
+async def test_failed_requests_are_counted_and_the_run_goes_on(
+    worker: WorkerProcess, tiny_model: Path
+) -> None:
+    # Prompts on both sides of the shared worker's context: the long ones end with
+    # prompt_too_long, the others are answered, and the run reports both.
+    workload = the_workload(
+        tiny_model, num_requests=6, input_len_min=440, input_len_max=600, max_tokens=4, seed=0
+    )
+    too_long = {r.index for r in workload.requests if r.prompt_tokens >= TEST_MAX_MODEL_LEN}
+    assert 0 < len(too_long) < len(workload.requests), "the seed must draw both kinds"
+    settings = load_settings(
+        ConnectionSettings,
+        redis_url=worker.env["EDGEQ_REDIS_URL"],
+        queue=worker.env["EDGEQ_QUEUE"],
+    )
+
+    run = await run_target(QueueTarget(settings), workload, USERS, None)
+
+    assert run.error is None
+    assert {r.index for r in run.records if not r.success} == too_long
+    for record in run.records:
+        if not record.success:
+            assert record.error is not None and "prompt_too_long" in record.error
+    metrics = calculate_metrics(run.records, run.duration_s)
+    assert metrics.failed == len(too_long)
+    assert metrics.success_rate == pytest.approx(1 - len(too_long) / len(workload.requests))
+    assert metrics.total_input_tokens == sum(
+        r.prompt_tokens for r in workload.requests if r.index not in too_long
+    )
