@@ -22,8 +22,14 @@ if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[5])
+redis.call('PUBLISH', ARGV[6], '')
 return 1
 """
+
+
+def wake_channel(queue: str) -> str:
+    """Idle workers wait on this channel; a producer publishes on it after each enqueue."""
+    return f"{queue}:wake"
 
 
 class Enqueued(IntEnum):
@@ -46,11 +52,19 @@ class JobQueue:
         The job's payload expires after ``deadline_s``: a worker reaching it later finds it
         gone and ends it with ``expired`` instead of starting it late.
         """
-        now_ms = int(time.time() * 1000)
-        payload = dump_json({"f": JOB_FUNCTION, "a": [request], "k": {}, "t": 1, "et": now_ms})
+        now_ms = time.time() * 1000
+        # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
+        job = {"f": JOB_FUNCTION, "a": [request], "k": {}, "t": 1, "et": round(now_ms, 3)}
         outcome = await self._enqueue(
             keys=[self.name, job_key(job_id)],
-            args=[payload, now_ms, int(deadline_s * 1000), max_depth, job_id],
+            args=[
+                dump_json(job),
+                int(now_ms),
+                int(deadline_s * 1000),
+                max_depth,
+                job_id,
+                wake_channel(self.name),
+            ],
         )
         return Enqueued(int(outcome))
 

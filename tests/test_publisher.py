@@ -113,3 +113,23 @@ async def test_the_replay_buffer_holds_every_event_with_its_seq(redis: Redis) ->
     assert [e.seq for e in await read_events(redis, "p4")] == [0, 1, 2, 3]
     assert [e.seq for e in await read_events(redis, "p4", after_seq=1)] == [2, 3]
     assert 0 < await redis.pttl("edgeq:events:{p4}") <= 60_000
+
+
+async def test_batched_appends_from_many_jobs_keep_each_jobs_order(redis: Redis) -> None:
+    """The worker's batched log: many jobs' appends share round trips, each job's order holds."""
+    import asyncio
+
+    log = EventLog(redis, replay_ttl_s=60, batched=True)
+
+    async def job(index: int) -> None:
+        publisher = StreamPublisher(log, f"batch-{index}", interval_s=0)
+        for piece in range(30):
+            await publisher.publish_text(f"{piece},")
+        await publisher.publish_error("cancelled", "end")
+
+    await asyncio.gather(*(job(i) for i in range(20)))
+    for index in range(20):
+        events = await read_events(redis, f"batch-{index}")
+        assert [e.seq for e in events] == list(range(31))
+        assert "".join(e.text for e in events[:-1]) == "".join(f"{p}," for p in range(30))
+        assert events[-1].type == "error"

@@ -18,13 +18,15 @@ from typing import Any
 
 import redis.exceptions
 import structlog
-from arq.worker import Worker, func
+from arq.worker import func
 
 from producer.client import make_redis
 from producer.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from producer.streams import EventLog, StreamClosed, reap_lost_jobs, renew_leases
 from worker.engine import ChatEngine
 from worker.jobs import chat
+from worker.notify import keep_watchdog, notify, watchdog_interval_s
+from worker.pickup import FastPickupWorker
 from worker.settings import WorkerSettings
 from worker.wire import dump_json, load_job
 
@@ -68,7 +70,7 @@ def early_failure(result_data: bytes | None) -> tuple[ErrorCode, str]:
     return ErrorCode.ENGINE_ERROR, f"the job failed before it started: {name or said}"
 
 
-class EdgeqWorker(Worker):
+class EdgeqWorker(FastPickupWorker):
     """arq's Worker, plus what edgeq's guarantees need from it:
 
     - jobs arq fails without running them (expired, aborted, re-delivered after a crash) still
@@ -97,6 +99,7 @@ class EdgeqWorker(Worker):
     def handle_sig_wait_for_completion(self, signum: Any) -> None:
         self.ctx["shutting_down"] = True
         log.info("worker_draining", drain_timeout_s=self._job_completion_wait)
+        notify("STOPPING=1\nSTATUS=draining")
         super().handle_sig_wait_for_completion(signum)
 
 
@@ -122,7 +125,7 @@ async def keep_leases(ctx: dict[str, Any]) -> None:
 async def start_engine(ctx: dict[str, Any]) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
     settings: WorkerSettings = ctx["settings"]
-    ctx["events"] = EventLog(ctx["redis"], replay_ttl_s=settings.replay_ttl_s)
+    ctx["events"] = EventLog(ctx["redis"], replay_ttl_s=settings.replay_ttl_s, batched=True)
     began = time.monotonic()
     engine = await ChatEngine.start(settings)
     built = time.monotonic()
@@ -141,9 +144,15 @@ async def start_engine(ctx: dict[str, Any]) -> None:
         warmup_s=round(time.monotonic() - built, 3),
         since_process_start_s=round(time.monotonic() - ctx["process_started"], 2),
     )
+    notify(f"READY=1\nSTATUS=warm, serving {settings.queue} with {settings.model}")
+    if (interval_s := watchdog_interval_s()) is not None:
+        ctx["watchdog"] = asyncio.create_task(keep_watchdog(interval_s))
 
 
 async def stop_engine(ctx: dict[str, Any]) -> None:
+    watchdog: asyncio.Task[None] | None = ctx.pop("watchdog", None)
+    if watchdog is not None:
+        watchdog.cancel()  # a sleep loop: nothing to wait for
     keeper: asyncio.Task[None] | None = ctx.pop("lease_keeper", None)
     if keeper is not None:
         keeper.cancel()
@@ -155,7 +164,7 @@ async def stop_engine(ctx: dict[str, Any]) -> None:
     log.info("worker_stopped", worker=worker_id())
 
 
-def build_worker(settings: WorkerSettings, *, process_started: float) -> Worker:
+def build_worker(settings: WorkerSettings, *, process_started: float) -> EdgeqWorker:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
     return EdgeqWorker(
         functions=[
@@ -189,4 +198,6 @@ def build_worker(settings: WorkerSettings, *, process_started: float) -> Worker:
 def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
     """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
     EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
-    build_worker(settings, process_started=process_started).run()
+    worker = build_worker(settings, process_started=process_started)
+    worker.fast_pickup = settings.fast_pickup
+    worker.run()

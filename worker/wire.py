@@ -34,13 +34,17 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 def _job(payload: JobPayload, job_try: Any = None, enqueued_ms: Any = None) -> dict[str, Any]:
     return {
         "f": JOB_FUNCTION,
         "a": [payload],
         "k": {},
         "t": job_try if isinstance(job_try, int) and not isinstance(job_try, bool) else None,
-        "et": enqueued_ms if isinstance(enqueued_ms, int) and enqueued_ms > 0 else _now_ms(),
+        "et": enqueued_ms if _is_positive_number(enqueued_ms) else _now_ms(),
     }
 
 

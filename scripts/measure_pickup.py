@@ -1,0 +1,144 @@
+"""The queue's own cost: pickup latency with 0, 64 and 256 chats in flight, idle CPU of the
+worker, and how many stream events per second the publish path sustains.
+
+    .venv/bin/python scripts/measure_pickup.py [--before] [--probes 30]
+
+Pickup is the worker's own `queued_ms` (enqueue → the chat job starts), to the microsecond.
+`--before` runs the worker with EDGEQ_FAST_PICKUP=false: arq's own polling (every
+EDGEQ_POLL_DELAY_MS) and its per-poll re-check of every running job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from producer.client import ChatClient
+from producer.protocol import DeltaEvent
+from producer.streams import EventLog
+from worker.localrun import RedisServer, WorkerProcess
+from worker.tiny_model import make_tiny_model
+
+IN_FLIGHT = (0, 64, 256)
+HOLD_TOKENS = 480  # long enough that the in-flight chats outlast the probes
+IDLE_SAMPLE_S = 10.0
+PUBLISHERS, EVENTS_EACH = 64, 500
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def pickup_ms(client: ChatClient, probes: int) -> list[float]:
+    samples = []
+    for index in range(probes):
+        result = await client.chat(f"probe {index}", max_tokens=1)
+        samples.append(result.timings.queued_ms)
+        await asyncio.sleep(0.05)  # let the worker settle back into its wait
+    return samples
+
+
+async def measure_pickup(client: ChatClient, probes: int) -> dict[int, list[float]]:
+    figures: dict[int, list[float]] = {}
+    for in_flight in IN_FLIGHT:
+        holders = [
+            await client.submit(f"hold {i}", max_tokens=HOLD_TOKENS, seed=8)
+            for i in range(in_flight)
+        ]
+        for job in holders[-1:]:  # the last one generating means all were picked up
+            async for event in job.stream():
+                if isinstance(event, DeltaEvent):
+                    break
+        figures[in_flight] = await pickup_ms(client, probes)
+        for job in holders:
+            await client.cancel(job.job_id)
+            await job.aclose()
+        while await client.queue.depth():  # noqa: ASYNC110 (state lives in Redis)
+            await asyncio.sleep(0.2)
+    return figures
+
+
+async def measure_publish(redis_url: str, *, unbatched: bool) -> float:
+    async with ChatClient(redis_url=redis_url) as client:
+        log = EventLog(client.redis, replay_ttl_s=60, batched=not unbatched)
+
+        async def publisher(index: int) -> None:
+            for _ in range(EVENTS_EACH):
+                await log.append(DeltaEvent(job_id=f"pub-{index}", seq=0, text="token"))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(publisher(i) for i in range(PUBLISHERS)))
+        return PUBLISHERS * EVENTS_EACH / (time.perf_counter() - started)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", action="store_true", help="EDGEQ_FAST_PICKUP=false")
+    parser.add_argument("--probes", type=int, default=30)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="edgeq-pickup-"))
+    model = make_tiny_model(scratch / "tiny-model").directory
+    redis_server = RedisServer().start()
+    env = {
+        "EDGEQ_MODEL": str(model),
+        "EDGEQ_REDIS_URL": redis_server.url,
+        "EDGEQ_CPU_KV_CACHE_GIB": "1",
+        "EDGEQ_MAX_MODEL_LEN": "512",
+        "EDGEQ_MAX_NUM_SEQS": "300",
+        "EDGEQ_MAX_QUEUE": "0",
+        "EDGEQ_ABANDON_AFTER_S": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    if args.before:
+        env["EDGEQ_FAST_PICKUP"] = "false"
+    worker = WorkerProcess(env, scratch / "worker.log").start()
+    try:
+        worker.wait_ready()
+        time.sleep(2.0)  # start-up stragglers
+        before = cpu_seconds(worker.process.pid)
+        time.sleep(IDLE_SAMPLE_S)
+        idle_pct = (cpu_seconds(worker.process.pid) - before) / IDLE_SAMPLE_S * 100
+
+        async def pickup() -> dict[int, list[float]]:
+            async with ChatClient(redis_url=redis_server.url, max_queue=0) as client:
+                return await measure_pickup(client, args.probes)
+
+        figures = asyncio.run(pickup())
+    finally:
+        worker.stop()
+    batched = asyncio.run(measure_publish(redis_server.url, unbatched=False))
+    unbatched = asyncio.run(measure_publish(redis_server.url, unbatched=True))
+    redis_server.stop()
+
+    mode = "EDGEQ_FAST_PICKUP=false (arq's polling)" if args.before else "fast pickup"
+    print(f"worker: {mode}; {args.probes} probes each; cores: {os.cpu_count()}")
+    print("\n| chats in flight | pickup p50 (ms) | pickup p99 (ms) | max (ms) |")
+    print("|---|---|---|---|")
+    for in_flight, samples in figures.items():
+        print(
+            f"| {in_flight} | {statistics.median(samples):.3f} | "
+            f"{percentile(samples, 0.99):.3f} | {max(samples):.3f} |"
+        )
+    print(f"\nidle worker process: {idle_pct:.2f} % of one core over {IDLE_SAMPLE_S:g} s")
+    print(
+        f"publish path, {PUBLISHERS} concurrent jobs: {batched:,.0f} events/s batched "
+        f"(the worker's), {unbatched:,.0f} events/s one round trip each"
+    )
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    sys.exit(main())
