@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,7 +19,7 @@ from bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
 from bench.records import ModeRun
 from bench.report import build_report, format_table, plot_runs, write_json
 from bench.runners import ModeKind, ModePlan, run_plan
-from bench.workload import WorkloadError, WorkloadSpec, build_workload, load_tokenizer
+from bench.workload import Workload, WorkloadError, WorkloadSpec, build_workload, load_tokenizer
 from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_USAGE
 from producer.settings import ConfigError, load_settings
 
@@ -139,6 +139,25 @@ def collect_metrics(
     }
 
 
+def prepare_workload(spec: WorkloadSpec, model: str) -> tuple[Workload, Callable[[str], int]] | int:
+    """The workload and a token counter for `model`, or the exit status saying why not."""
+    try:
+        tokenizer = load_tokenizer(model)
+    except (OSError, ValueError) as error:
+        _say(f"cannot load the tokenizer of {model}: {error}")
+        return EXIT_CONFIG
+    try:
+        workload = build_workload(spec, tokenizer, model)
+    except WorkloadError as error:
+        _say(str(error))
+        return EXIT_USAGE
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    return workload, count_tokens
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     try:
         plans = plan_modes(args)
@@ -153,19 +172,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
 
     _say(f"building the workload with the tokenizer of {model}")
-    try:
-        tokenizer = load_tokenizer(model)
-    except (OSError, ValueError) as error:
-        _say(f"cannot load the tokenizer of {model}: {error}")
-        return EXIT_CONFIG
-    try:
-        workload = build_workload(spec, tokenizer, model)
-    except WorkloadError as error:
-        _say(str(error))
-        return EXIT_USAGE
-
-    def count_tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    prepared = prepare_workload(spec, model)
+    if isinstance(prepared, int):
+        return prepared
+    workload, count_tokens = prepared
 
     runs: list[ModeRun] = []
     try:

@@ -146,6 +146,22 @@ def run_make_tiny_model_command(args: argparse.Namespace) -> int:
 # --- the parser ------------------------------------------------------------------------------
 
 
+def _workload_options(parser: argparse.ArgumentParser) -> None:
+    """The seed's load-test workload, shared by `bench` and `tune`."""
+    parser.add_argument("--users", type=int, default=50, help="concurrent users (default: 50)")
+    per_user = parser.add_mutually_exclusive_group()
+    per_user.add_argument(
+        "--requests-per-user", type=int, default=1, help="sent one after another (default: 1)"
+    )
+    per_user.add_argument("--num-prompts", type=int, help="requests in all, dealt to the users")
+    parser.add_argument("--input-len-min", type=int, default=64, help="prompt tokens (default: 64)")
+    parser.add_argument("--input-len-max", type=int, default=256, help="(default: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="answer cap (default: 256)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    parser.add_argument("--temperature", type=float, default=0.5, help="(default: 0.5)")
+    parser.add_argument("--top-p", type=float, default=0.9, help="(default: 0.9)")
+
+
 def _connection_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="overrides EDGEQ_REDIS_URL")
     parser.add_argument("--queue", help="overrides EDGEQ_QUEUE")
@@ -209,6 +225,38 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(handler=run_make_tiny_model_command)
 
+    # edgeq bundle: the offline installer for a box (worker/bundle.py), imported only when it runs.
+    def run_bundle_command(args: argparse.Namespace) -> int:
+        from worker.bundle import run_bundle_command as run
+
+        return run(
+            variant=args.variant, out_dir=args.out, model_dir=args.model_dir,
+            model_id=args.model, revision=args.revision, model_name=args.model_name,
+            version_suffix=args.version_suffix, wheelhouse_from=args.wheelhouse_from,
+            python_version=args.python_version, platform=args.platform, keep_dir=args.keep_dir,
+        )  # fmt: skip
+
+    bundle = commands.add_parser(
+        "bundle", help="build one offline .tar (wheels, model, units, install.sh) for a box"
+    )
+    bundle.add_argument("--variant", choices=["gpu", "cpu"], required=True)
+    source = bundle.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-dir", type=Path, help="a local model directory")
+    source.add_argument("--model", help="a Hugging Face id, downloaded once (needs --revision)")
+    bundle.add_argument("--revision", help="the model's pinned revision (a commit sha)")
+    bundle.add_argument("--model-name", help="directory name on the box (default: from the model)")
+    bundle.add_argument("--out", type=Path, default=Path("dist"), help="(default: ./dist)")
+    bundle.add_argument(
+        "--version-suffix", default="", help="append +SUFFIX to edgeq's version (a rebuild)"
+    )
+    bundle.add_argument(
+        "--wheelhouse-from", type=Path, help="reuse the wheels in DIR instead of downloading them"
+    )
+    bundle.add_argument("--python-version", help="the box's Python, e.g. 3.11 (default: this one)")
+    bundle.add_argument("--platform", help="the box's wheel platform, e.g. manylinux_2_28_x86_64")
+    bundle.add_argument("--keep-dir", action="store_true", help="also keep the unpacked bundle")
+    bundle.set_defaults(handler=run_bundle_command)
+
     # edgeq bench: the code is in bench/ (tokenizer, matplotlib, maybe vLLM), imported only when
     # it runs. Defaults are the seed article's workload (50 users, prompts of 64-256 tokens,
     # 256-token answers) with edgeq's own sampling defaults, sent alike to every mode.
@@ -221,18 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="load-test: a seeded chat workload through the queue, the engine or an OpenAI server",
     )
-    bench.add_argument("--users", type=int, default=50, help="concurrent users (default: 50)")
-    per_user = bench.add_mutually_exclusive_group()
-    per_user.add_argument(
-        "--requests-per-user", type=int, default=1, help="sent one after another (default: 1)"
-    )
-    per_user.add_argument("--num-prompts", type=int, help="requests in all, dealt to the users")
-    bench.add_argument("--input-len-min", type=int, default=64, help="prompt tokens (default: 64)")
-    bench.add_argument("--input-len-max", type=int, default=256, help="(default: 256)")
-    bench.add_argument("--max-tokens", type=int, default=256, help="answer cap (default: 256)")
-    bench.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    bench.add_argument("--temperature", type=float, default=0.5, help="(default: 0.5)")
-    bench.add_argument("--top-p", type=float, default=0.9, help="(default: 0.9)")
+    _workload_options(bench)
     bench.add_argument(
         "--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:3000"
     )
@@ -255,6 +292,62 @@ def build_parser() -> argparse.ArgumentParser:
         help="queue mode on two workers started here, one per settings file",
     )
     bench.set_defaults(handler=run_bench_command)
+
+    # edgeq tune: sweeps the batch knobs with bench's workload, a worker per configuration
+    # (bench/tune.py, imported only when it runs), and writes the best as an env file.
+    def run_tune_command(args: argparse.Namespace) -> int:
+        from bench.tune import run_tune_command as run
+
+        return run(args)
+
+    def int_list(text: str) -> list[int]:
+        from bench.tune import parse_int_list
+
+        return parse_int_list(text)
+
+    def on_off_list(text: str) -> list[bool]:
+        from bench.tune import parse_on_off_list
+
+        return parse_on_off_list(text)
+
+    tune = commands.add_parser(
+        "tune", help="sweep max_num_seqs x budget x chunked prefill on this box, keep the best"
+    )
+    tune.add_argument(
+        "--max-num-seqs",
+        type=int_list,
+        default=[16, 32, 64],
+        metavar="N,N",
+        help="(default: 16,32,64)",
+    )
+    tune.add_argument(
+        "--max-num-batched-tokens",
+        type=int_list,
+        default=[512, 2048],
+        metavar="N,N",
+        help="step token budgets (default: 512,2048)",
+    )
+    tune.add_argument(
+        "--chunked-prefill",
+        type=on_off_list,
+        default=[True, False],
+        metavar="on,off",
+        help="(default: on,off)",
+    )
+    tune.add_argument(
+        "--block-size",
+        type=int_list,
+        metavar="N,N",
+        help="KV block sizes (default: the platform's; CPU: multiples of 32)",
+    )
+    tune.add_argument(
+        "--slo", nargs="+", metavar="NAME:MS", help="goodput SLOs (default: ttft:500 e2el:3000)"
+    )
+    _workload_options(tune)
+    tune.add_argument("--model", help="tokenizer and engine model (default: EDGEQ_MODEL)")
+    tune.add_argument("--out", type=Path, help="write the best configuration here (EDGEQ_* lines)")
+    tune.add_argument("--plot", type=Path, help="goodput and tok/s per configuration (PNG)")
+    tune.set_defaults(handler=run_tune_command)
     return parser
 
 

@@ -16,6 +16,15 @@ from worker.localrun import RedisServer, WorkerProcess
 from worker.tiny_model import make_tiny_model
 
 
+@pytest.fixture
+def clean_edgeq_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No EDGEQ_* variable from the caller's environment and no stray .env."""
+    for name in list(os.environ):
+        if name.startswith("EDGEQ_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model")).directory

@@ -12,14 +12,7 @@ from worker.settings import WorkerSettings
 ENV_EXAMPLE = Path(__file__).parent.parent / ".env.example"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("EDGEQ_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)  # no stray .env
+pytestmark = pytest.mark.usefixtures("clean_edgeq_env")
 
 
 def test_defaults_are_the_documented_ones() -> None:

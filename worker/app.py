@@ -97,7 +97,7 @@ class EdgeqWorker(FastPickupWorker):
             await asyncio.sleep(REDIS_RETRY_S)
 
     def handle_sig_wait_for_completion(self, signum: Any) -> None:
-        self.ctx["shutting_down"] = True
+        self.ctx["draining"].set()  # shared by reference with every running job's ctx
         log.info("worker_draining", drain_timeout_s=self._job_completion_wait)
         notify("STOPPING=1\nSTATUS=draining")
         super().handle_sig_wait_for_completion(signum)
@@ -191,7 +191,13 @@ def build_worker(settings: WorkerSettings, *, process_started: float) -> EdgeqWo
         job_serializer=dump_json,
         job_deserializer=load_job,
         job_completion_wait=settings.drain_timeout_s,
-        ctx={"settings": settings, "process_started": process_started, "running": set()},
+        # Shared by reference with each job's ctx (arq copies the dict, not its values).
+        ctx={
+            "settings": settings,
+            "process_started": process_started,
+            "running": set(),
+            "draining": asyncio.Event(),
+        },
     )
 
 

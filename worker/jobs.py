@@ -108,7 +108,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         )
         return {"type": "error", "code": ErrorCode.CANCELLED.value, "message": "stream closed"}
     except asyncio.CancelledError:
-        if ctx.get("shutting_down"):
+        if ctx["draining"].is_set():
             code, message = (
                 ErrorCode.SHUTDOWN,
                 f"the worker shut down and this chat did not finish within its drain time "

@@ -6,7 +6,7 @@ README and error messages. Grouped below by the seed article's knobs.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -14,9 +14,60 @@ from producer.settings import ConnectionSettings
 
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+Profile = Literal["latency", "throughput", "edge-small"]
+
+#: EDGEQ_PROFILE presets: field → value, applied only to fields not set explicitly (arguments,
+#: environment, .env). The one place they live; README's "Profiles" paragraph lists them.
+#: Left out on purpose: block_size (its valid values differ between GPU and CPU) and
+#: temperature (answer quality, not speed: the seed picks it per task).
+PROFILES: dict[str, dict[str, Any]] = {
+    "latency": {
+        # Seed knob 2: a smaller batch makes each decode step shorter, so tokens come sooner.
+        "max_num_seqs": 32,
+        # Seed knob 2: a small step budget, so a prefill never holds up running decodes for long.
+        "max_num_batched_tokens": 2048,
+        # Seed knob 2: with chunked prefill on, a long input does not block small requests.
+        "enable_chunked_prefill": True,
+        # Seed knob 5: streaming gives earlier first content; 10 ms pushes text almost per token.
+        "stream_interval_ms": 10.0,
+    },
+    "throughput": {
+        # Seed knob 2: the top of the seed's 64-128 range for chat: more chats per engine step.
+        "max_num_seqs": 128,
+        # Seed knob 2: a big budget prefills many prompts per step (seed: 4096; x2 for 128 seqs).
+        "max_num_batched_tokens": 8192,
+        # Seed knob 2: a long prompt is prefilled in chunks instead of stalling a full batch.
+        "enable_chunked_prefill": True,
+        # Seed knob 2: the seed's 8192 bounds each sequence, leaving KV cache for the batch.
+        "max_model_len": 8192,
+        # Seed knob 5: same total time; 50 ms sends fewer messages, more cycles go to the engine.
+        "stream_interval_ms": 50.0,
+    },
+    "edge-small": {
+        # Seed: constrained hardware; a small batch fits a small GPU or a few CPU cores.
+        "max_num_seqs": 16,
+        # Seed knob 2: a small step budget keeps each step short on slow hardware (>= 16 seqs).
+        "max_num_batched_tokens": 1024,
+        # Seed knob 2: needed with a budget below the context; long prompts do not block short ones.
+        "enable_chunked_prefill": True,
+        # Seed: uncontrolled sequence length is a latency source; 4096 tokens is plenty for chat.
+        "max_model_len": 4096,
+        # Seed knob 3: a lower memory share (seed 0.9) leaves headroom on a shared small device.
+        "gpu_memory_utilization": 0.7,
+        # Seed knob 3 on CPU: 2 GiB is ~18k tokens of Qwen3-0.6B KV (112 KiB each): 16 chats of 1k.
+        "cpu_kv_cache_gib": 2.0,
+        # Seed knob 4: the answer cap is the main lever on total latency on slow hardware.
+        "max_tokens": 128,
+        # Seed knob 5: fewer pub/sub messages, so a CPU-bound box spends its cycles on tokens.
+        "stream_interval_ms": 50.0,
+    },
+}
 
 
 class WorkerSettings(ConnectionSettings):
+    # A preset for the knobs below (PROFILES); any knob set explicitly wins over it.
+    profile: Profile | None = None
+
     # Knob 1: the model and how it is split over GPUs.
     model: str = Field("Qwen/Qwen3-0.6B", min_length=1)
     tensor_parallel_size: int = Field(1, ge=1)
@@ -57,6 +108,21 @@ class WorkerSettings(ConnectionSettings):
     warmup: bool = True
     log_level: LogLevel = "info"
     log_content: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_profile(cls, data: Any) -> Any:
+        """Fill in the profile's presets for the fields no source (argument, env, .env) set.
+
+        An unknown name is left alone: the ``profile`` field itself refuses it, naming
+        EDGEQ_PROFILE and the allowed values.
+        """
+        if not isinstance(data, dict):
+            return data
+        presets = PROFILES.get(str(data.get("profile")))
+        if presets is None:
+            return data
+        return {**presets, **data}
 
     @model_validator(mode="after")
     def _batch_fits_budget(self) -> WorkerSettings:

@@ -12,15 +12,17 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from helpers import FIGURES, arq_job_bytes, engine_env, run_raw_job
-from producer.client import ChatClient
+from producer.client import ChatClient, InvalidRequest
 from producer.errors import JobFailed, QueueFull, RedisUnavailable
 from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from producer.streams import leases_key
 from worker.localrun import RedisServer, WorkerProcess, free_port
 
 pytestmark = pytest.mark.engine
@@ -86,24 +88,36 @@ async def test_sigterm_lets_twenty_running_chats_finish(
     tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
 ) -> None:
     worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "drain")
-    jobs = [
-        await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-        for i in range(20)
-    ]
-    streams = [(await first_delta(job))[1] for job in jobs]  # all of them are generating
-    signalled = time.monotonic()
-    worker.process.send_signal(signal.SIGTERM)
+    # Freeze vLLM's engine processes, so the 20 chats are provably still running at SIGTERM
+    # however fast or slow this machine is; they resume during the drain.
+    engine = psutil.Process(worker.process.pid).children(recursive=True)
+    for process in engine:
+        process.suspend()
+    try:
+        jobs = await asyncio.gather(
+            *(chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+              for i in range(20))
+        )  # fmt: skip
+        leases = leases_key("edgeq:chaos")
+        async with asyncio.timeout(30):
+            while await chaos_client.redis.zcard(leases) < len(jobs):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # every job holds a lease: all 20 have started
+        signalled = time.monotonic()
+        worker.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)  # the worker is draining: no new jobs, running ones go on
+    finally:
+        for process in engine:
+            process.resume()
 
-    async def rest_of(stream: AsyncIterator[StreamEvent]) -> StreamEvent:
-        return [event async for event in stream][-1]
-
-    terminals = await asyncio.gather(*(rest_of(stream) for stream in streams))
+    terminals = await asyncio.gather(*(job.result() for job in jobs))
     drained_s = time.monotonic() - signalled
     exit_code = await asyncio.to_thread(worker.process.wait, 60)
-    # Every chat ran to its end (done), none was cut short with `shutdown`.
-    assert all(isinstance(t, DoneEvent) for t in terminals), terminals
+    # Every chat ran to its end, none was cut short with `shutdown`.
+    assert all(result.usage.completion_tokens > 0 for result in terminals)
     assert drained_s < DRAIN_TIMEOUT_S
     assert exit_code == 0, worker.tail()
+    drain = [e for e in worker.log_events() if "to be completed" in str(e.get("event"))]
+    assert "20 to be completed" in drain[0]["event"]  # all 20 were running at the signal
     FIGURES["drain: 20 running chats finished after SIGTERM in (s)"] = round(drained_s, 2)
 
 
@@ -357,3 +371,67 @@ async def test_a_wrong_password_is_a_clear_error_without_the_password(
     async with ChatClient(redis_url=f"redis://127.0.0.1:{auth_redis.port}/0") as client:
         with pytest.raises(RedisUnavailable):
             await client.submit("hi")  # no password at all
+
+
+async def test_size_limits_are_enforced_by_the_client_and_again_by_the_worker(
+    client: ChatClient, worker: WorkerProcess, redis_server: RedisServer
+) -> None:
+    too_many = [{"role": "user", "content": "hi"}] * 300  # EDGEQ_MAX_MESSAGES is 256
+    with pytest.raises(InvalidRequest, match="EDGEQ_MAX_MESSAGES"):
+        await client.submit(too_many)
+    with pytest.raises(InvalidRequest, match="EDGEQ_MAX_TOKENS_LIMIT"):
+        await client.submit("hi", max_tokens=10**6)
+    # A producer that does not check (another language) meets the same limits in the worker.
+    redis = Redis.from_url(redis_server.url)
+    try:
+        for request, says in (
+            ({"messages": too_many}, "EDGEQ_MAX_MESSAGES"),
+            (
+                {"messages": [{"role": "user", "content": "x" * 1_100_000}]},
+                "EDGEQ_MAX_REQUEST_BYTES",
+            ),
+        ):
+            events = await run_raw_job(redis, worker.env["EDGEQ_QUEUE"], arq_job_bytes(request))
+            assert events[-1]["code"] == "invalid_request"
+            assert says in events[-1]["message"]
+    finally:
+        await redis.aclose()
+
+
+async def test_logs_carry_no_prompt_or_answer_by_default(
+    client: ChatClient, worker: WorkerProcess
+) -> None:
+    secret = "zebra-violet-kumquat"
+    result = await client.chat(f"my secret is {secret}", max_tokens=32, seed=8)
+    await asyncio.sleep(0.3)  # the job's last log lines
+    log_text = worker.log_path.read_text(errors="replace")
+    assert secret not in log_text
+    assert result.text.strip() and result.text not in log_text
+    assert any(e.get("job_id") == result.job_id for e in worker.log_events())
+
+
+async def test_a_chat_still_running_when_the_drain_time_is_up_ends_with_shutdown(
+    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+) -> None:
+    env = engine_env(tiny_model, acl_url(auth_redis), "edgeq:chaos") | {
+        "EDGEQ_DRAIN_TIMEOUT_S": "1"
+    }
+    worker = WorkerProcess(env, tmp_path / "short-drain.log").start()
+    worker.wait_ready()
+    engine = psutil.Process(worker.process.pid).children(recursive=True)
+    for process in engine:
+        process.suspend()  # the chat cannot finish within the drain time
+    try:
+        job = await chaos_client.submit("never finishes", max_tokens=LONG)
+        async with asyncio.timeout(30):
+            while not await chaos_client.redis.zcard(leases_key("edgeq:chaos")):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        worker.process.send_signal(signal.SIGTERM)
+        with pytest.raises(JobFailed) as failure:
+            await job.result()
+    finally:
+        for process in engine:
+            process.resume()
+        worker.stop()
+    assert failure.value.code == "shutdown"
+    assert "EDGEQ_DRAIN_TIMEOUT_S" in failure.value.message
