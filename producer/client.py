@@ -52,7 +52,7 @@ from producer.protocol import (
 )
 from producer.queue import Enqueued, JobQueue
 from producer.settings import ConnectionSettings, load_settings, redacted_url
-from producer.streams import EventLog, declare_lost, lease_expired, read_events
+from producer.streams import EventLog, declare_lost, finished_with, lease_expired, read_events
 
 # A dead connection is noticed within this long even while a stream sits idle.
 REDIS_HEALTH_CHECK_INTERVAL_S = 15
@@ -359,6 +359,11 @@ class ChatClient:
         job = ChatJob(self, job_id, pubsub, after_seq=after_seq)
         try:
             await job._backfill()
+            if not job._backlog:  # nothing after after_seq: maybe the stream already ended
+                with redis_errors(self.settings.redis_url):
+                    terminal = await finished_with(self.redis, job_id)
+                if isinstance(terminal, DoneEvent | ErrorEvent) and terminal.seq <= after_seq:
+                    job._terminal = terminal
         except BaseException:
             await job.aclose()
             raise

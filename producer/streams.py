@@ -141,8 +141,12 @@ async def read_events(redis: Redis, job_id: str, after_seq: int = -1) -> list[An
     return [decode_event(fields[b"event"]) for _, fields in entries]
 
 
-async def is_finished(redis: Redis, job_id: str) -> bool:
-    return bool(await redis.exists(terminal_key(job_id)))
+async def finished_with(redis: Redis, job_id: str) -> AnyEvent | None:
+    """The job's terminal event if its stream has ended (and is still kept), else None."""
+    if not await redis.exists(terminal_key(job_id)):
+        return None
+    entries = await redis.xrevrange(events_key(job_id), count=1)
+    return decode_event(entries[0][1][b"event"]) if entries else None
 
 
 # --- leases: how a job whose worker died still gets its terminal event ----------------------

@@ -280,8 +280,9 @@ async def test_attach_mid_stream_and_after_done_gives_the_whole_stream(
     assert joined_late == original
     after_done = [event async for event in (await client.attach(job.job_id)).stream()]
     assert after_done == original
-    resumed = await client.attach(job.job_id, after_seq=2)
-    assert [event async for event in resumed.stream()] == original[3:]
+    for after_seq in range(len(original) + 1):  # resume from every point, past the end too
+        resumed = await client.attach(job.job_id, after_seq=after_seq)
+        assert [event async for event in resumed.stream()] == original[after_seq + 1 :]
 
 
 # --- security --------------------------------------------------------------------------------
