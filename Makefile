@@ -15,7 +15,7 @@ test: system-deps $(INSTALLED) lint  ## the whole suite against real Redis, arq 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 
-system-deps:  ## Debian packages: redis-server
+system-deps:  ## Debian packages: redis-server, systemd (for systemd-analyze; not started)
 	scripts/install-system-deps.sh
 
 venv: $(INSTALLED)

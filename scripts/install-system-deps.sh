@@ -4,6 +4,8 @@ set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+# systemd-analyze, for tests/test_units.py (offline: systemd is not started).
+command -v systemd-analyze >/dev/null || missing+=(systemd)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] && exit 0
 

@@ -1,0 +1,394 @@
+#!/usr/bin/env bash
+# Install (or upgrade, roll back, uninstall) edgeq on this box from an unpacked `edgeq bundle`.
+#
+#   sudo ./install.sh                  install or upgrade; idempotent: a second run changes nothing
+#   sudo ./install.sh --rollback       switch back to the previous release
+#   sudo ./install.sh --uninstall      remove edgeq, keep /etc/edgeq and /var/lib/edgeq
+#   sudo ./install.sh --uninstall --purge        ... and those too, and the user
+#   ./install.sh --root DIR --no-systemd         stage into DIR (image builds, tests)
+#
+# Layout: /opt/edgeq/releases/<version> (a venv each), /opt/edgeq/current -> the live one,
+# /opt/edgeq/previous -> the one before (rollback); /etc/edgeq/edgeq.env (the operator's: never
+# overwritten); /var/lib/edgeq/models/<name>; units in /etc/systemd/system.
+#
+# Environment knobs: EDGEQ_PYTHON (default python3, must match the bundle's Python),
+# EDGEQ_READY_TIMEOUT_S (wait for READY=1, default 1200), EDGEQ_PIP_NO_COMPILE=1 (skip .pyc),
+# EDGEQ_INSTALL_SMOKE_CMD (with --no-systemd only: replaces the smoke test; for tests).
+set -eu
+
+ROOT=""
+USE_SYSTEMD=1
+ACTION=install
+PURGE=0
+SMOKE=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --root) ROOT=${2:?--root needs a directory}; shift ;;
+        --root=*) ROOT=${1#--root=} ;;
+        --no-systemd) USE_SYSTEMD=0 ;;
+        --no-smoke-test) SMOKE=0 ;;
+        --uninstall) ACTION=uninstall ;;
+        --purge) PURGE=1 ;;
+        --rollback) ACTION=rollback ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ -n "$ROOT" ]; then
+    mkdir -p "$ROOT"
+    ROOT=$(cd "$ROOT" && pwd)
+fi
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+OPT=$ROOT/opt/edgeq
+ETC=$ROOT/etc/edgeq
+STATE=$ROOT/var/lib/edgeq
+CACHE=$ROOT/var/cache/edgeq
+UNITDIR=$ROOT/etc/systemd/system
+SYSUSERS=$ROOT/usr/lib/sysusers.d/edgeq.conf
+PYTHON=${EDGEQ_PYTHON:-python3}
+READY_TIMEOUT_S=${EDGEQ_READY_TIMEOUT_S:-1200}
+CHANGED=0
+
+say() { echo "edgeq install: $*"; }
+changed() { CHANGED=$((CHANGED + 1)); echo "  + $*"; }
+die() { echo "edgeq install: $*" >&2; exit 1; }
+
+# systemctl only when asked for and systemd really runs this box (the check Ollama's installer
+# makes: containers, chroots and WSL without systemd get the files, not the service calls).
+systemd_live() {
+    [ "$USE_SYSTEMD" = 1 ] || return 1
+    command -v systemctl >/dev/null || return 1
+    case "$(systemctl is-system-running 2>/dev/null || true)" in
+        running|degraded|starting) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+enabled_instances() {
+    local wants=$UNITDIR/edgeq.target.wants
+    [ -d "$wants" ] || return 0
+    for link in "$wants"/edgeq-worker@*.service; do
+        [ -e "$link" ] || [ -L "$link" ] || continue
+        basename "$link"
+    done
+}
+
+switch_current() {  # switch_current RELEASE-NAME: atomic, by rename(2) of a new symlink
+    ln -sfn "releases/$1" "$OPT/current.new"
+    mv -T "$OPT/current.new" "$OPT/current"
+}
+
+restart_workers() {
+    systemd_live || return 0
+    local units
+    units=$(enabled_instances)
+    [ -n "$units" ] || return 0
+    # --no-block: a notify unit's start waits for READY=1, which can take minutes.
+    # shellcheck disable=SC2086
+    systemctl restart --no-block $units
+}
+
+# --- rollback ----------------------------------------------------------------------------------
+if [ "$ACTION" = rollback ]; then
+    [ -L "$OPT/previous" ] || die "no previous release to roll back to"
+    prev=$(basename "$(readlink "$OPT/previous")")
+    cur=$(basename "$(readlink "$OPT/current")")
+    [ -d "$OPT/releases/$prev" ] || die "the previous release $prev is gone"
+    switch_current "$prev"
+    ln -sfn "releases/$cur" "$OPT/previous"
+    restart_workers
+    say "rolled back from $cur to $prev"
+    exit 0
+fi
+
+# --- uninstall ---------------------------------------------------------------------------------
+if [ "$ACTION" = uninstall ]; then
+    units=$(enabled_instances)
+    if systemd_live; then
+        # shellcheck disable=SC2086
+        systemctl disable --now edgeq.target $units >/dev/null 2>&1 || true
+    fi
+    rm -rf "$UNITDIR/edgeq.target.wants" "$UNITDIR/edgeq-worker@.service" \
+        "$UNITDIR/edgeq.target" "$UNITDIR/multi-user.target.wants/edgeq.target"
+    systemd_live && systemctl daemon-reload
+    rm -rf "$OPT" "$CACHE"
+    if [ -f "$ROOT/etc/redis/redis.conf" ] && [ "$PURGE" = 1 ]; then
+        sed -i '\#^include /etc/redis/redis-edgeq.conf$#d' "$ROOT/etc/redis/redis.conf"
+        rm -f "$ROOT/etc/redis/redis-edgeq.conf"
+        systemd_live && systemctl restart redis-server.service || true
+    fi
+    if [ "$PURGE" = 1 ]; then
+        rm -rf "$ETC" "$STATE" "$SYSUSERS"
+        if [ -z "$ROOT" ] && getent passwd edgeq >/dev/null; then userdel edgeq || true; fi
+        say "removed edgeq, its settings (/etc/edgeq), models and data (/var/lib/edgeq)"
+    else
+        rm -f "$SYSUSERS"
+        say "removed edgeq; kept ${ETC#"$ROOT"} and ${STATE#"$ROOT"} (--purge removes them)"
+    fi
+    exit 0
+fi
+
+# --- install / upgrade -------------------------------------------------------------------------
+[ -f "$HERE/manifest.json" ] || die "run this from an unpacked edgeq bundle (no manifest.json in $HERE)"
+command -v "$PYTHON" >/dev/null || die "$PYTHON is missing: install Python first (or set EDGEQ_PYTHON)"
+manifest() {  # manifest KEY[.KEY]: one field of manifest.json
+    "$PYTHON" -c 'import functools, json, sys
+print(functools.reduce(dict.__getitem__, sys.argv[2].split("."), json.load(open(sys.argv[1]))))' \
+        "$HERE/manifest.json" "$1"
+}
+VERSION=$(manifest edgeq_version)
+VARIANT=$(manifest variant)
+WANT_PY=$(manifest python)
+MODEL=$(manifest model.name)
+HAVE_PY=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[ "$HAVE_PY" = "$WANT_PY" ] || die "this bundle is for Python $WANT_PY; $PYTHON is $HAVE_PY (set EDGEQ_PYTHON)"
+BUNDLE_ID=$(sha256sum "$HERE/manifest.json" | cut -d' ' -f1)
+say "edgeq $VERSION ($VARIANT), model $MODEL, into ${ROOT:-/}"
+
+# 1. The model must match its sums before anything is touched.
+say "checking the model against SHA256SUMS"
+if ! bad=$(cd "$HERE/models/$MODEL" && sha256sum -c --quiet SHA256SUMS 2>&1); then
+    file=$(printf '%s\n' "$bad" | sed -n 's/^\(.*\): FAILED.*$/\1/p' | head -n 1)
+    die "model file models/$MODEL/${file:-?} does not match SHA256SUMS: refusing to install (the bundle is damaged or was altered; copy it again)"
+fi
+
+# 2. The user, from a sysusers.d file (also what a first boot of an image creates).
+mkdir -p "$(dirname "$SYSUSERS")"
+if ! cmp -s "$HERE/deploy/edgeq.sysusers" "$SYSUSERS"; then
+    install -m 0644 "$HERE/deploy/edgeq.sysusers" "$SYSUSERS"
+    changed "sysusers.d entry for the edgeq user"
+fi
+OWNER=""
+if [ -z "$ROOT" ]; then
+    if ! getent passwd edgeq >/dev/null; then
+        if command -v systemd-sysusers >/dev/null; then
+            systemd-sysusers "$SYSUSERS"
+        else
+            useradd --system --user-group --home-dir /var/lib/edgeq --no-create-home \
+                --shell /usr/sbin/nologin edgeq
+        fi
+        changed "system user edgeq"
+    fi
+    OWNER=edgeq
+fi
+
+# 3. The release: a venv with exactly the bundle's wheels (hash-checked by pip).
+RELEASE=$OPT/releases/$VERSION
+if [ "$(cat "$RELEASE/.edgeq-bundle" 2>/dev/null || true)" != "$BUNDLE_ID" ]; then
+    say "installing release $VERSION (a venv from the wheelhouse)"
+    rm -rf "$RELEASE"
+    mkdir -p "$OPT/releases"
+    "$PYTHON" -m venv "$RELEASE"
+    compile=""
+    [ "${EDGEQ_PIP_NO_COMPILE:-0}" = 1 ] && compile=--no-compile
+    "$RELEASE/bin/python" -m pip install --quiet --disable-pip-version-check --no-index \
+        --no-deps --require-hashes $compile --find-links "$HERE/wheelhouse" \
+        -r "$HERE/wheelhouse/requirements.txt"
+    if [ "$VARIANT" = cpu ]; then
+        # Never in the wheelhouse; removed in case the box's pip pulled them some other way.
+        "$RELEASE/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec \
+            >/dev/null 2>&1 || true
+    fi
+    mkdir -p "$RELEASE/share/edgeq"
+    cp -r "$HERE/systemd" "$HERE/manifest.json" "$HERE/README.md" "$RELEASE/share/edgeq/"
+    echo "$BUNDLE_ID" >"$RELEASE/.edgeq-bundle"  # last: a half-made release is redone
+    changed "release $VERSION in ${RELEASE#"$ROOT"}"
+fi
+
+# 4. The model, verified again where it lands.
+MODEL_DIR=$STATE/models/$MODEL
+if ! cmp -s "$HERE/models/$MODEL/SHA256SUMS" "$MODEL_DIR/SHA256SUMS" \
+    || ! (cd "$MODEL_DIR" && sha256sum -c --quiet SHA256SUMS >/dev/null 2>&1); then
+    mkdir -p "$STATE/models"
+    rm -rf "$MODEL_DIR.new"
+    cp -r "$HERE/models/$MODEL" "$MODEL_DIR.new"
+    rm -rf "$MODEL_DIR"
+    mv "$MODEL_DIR.new" "$MODEL_DIR"
+    changed "model $MODEL in ${MODEL_DIR#"$ROOT"}"
+fi
+mkdir -p "$CACHE"
+[ -n "$OWNER" ] && chown -R "$OWNER:$OWNER" "$STATE" "$CACHE"
+
+# 5. Settings: the operator's file is never overwritten.
+mkdir -p "$ETC"
+ENV_FILE=$ETC/edgeq.env
+if [ ! -f "$ENV_FILE" ]; then
+    install -m 0640 "$HERE/edgeq.env" "$ENV_FILE"
+    changed "settings ${ENV_FILE#"$ROOT"} (yours from now on: upgrades keep it)"
+    FRESH_ENV=1
+else
+    FRESH_ENV=0
+    want="EDGEQ_MODEL=$(manifest model.install_path)"
+    grep -qx "$want" "$ENV_FILE" \
+        || say "note: ${ENV_FILE#"$ROOT"} is kept as it is; this bundle's model is at ${want#EDGEQ_MODEL=}"
+fi
+
+# Redis: the snippet with a fresh password, hooked into the distribution's redis.conf if there.
+REDIS_SNIPPET=$ETC/redis-edgeq.conf
+if [ ! -f "$REDIS_SNIPPET" ]; then
+    password=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
+    sed "s/@EDGEQ_REDIS_PASSWORD@/$password/" "$HERE/deploy/redis-edgeq.conf" >"$REDIS_SNIPPET.new"
+    chmod 0640 "$REDIS_SNIPPET.new"
+    mv "$REDIS_SNIPPET.new" "$REDIS_SNIPPET"
+    if [ "$FRESH_ENV" = 1 ]; then
+        printf '\n# Written by install.sh: the password of deploy/redis-edgeq.conf.\nEDGEQ_REDIS_URL=redis://:%s@127.0.0.1:6379/0\n' \
+            "$password" >>"$ENV_FILE"
+    fi
+    changed "Redis settings ${REDIS_SNIPPET#"$ROOT"} (loopback, password, noeviction, appendonly)"
+fi
+if [ -f "$ROOT/etc/redis/redis.conf" ] && ! grep -qx 'include /etc/redis/redis-edgeq.conf' "$ROOT/etc/redis/redis.conf"; then
+    install -m 0640 "$REDIS_SNIPPET" "$ROOT/etc/redis/redis-edgeq.conf"
+    getent group redis >/dev/null && [ -z "$ROOT" ] && chgrp redis "$ROOT/etc/redis/redis-edgeq.conf"
+    echo 'include /etc/redis/redis-edgeq.conf' >>"$ROOT/etc/redis/redis.conf"
+    systemd_live && systemctl restart redis-server.service
+    changed "included redis-edgeq.conf in /etc/redis/redis.conf"
+fi
+[ -n "$OWNER" ] && chgrp "$OWNER" "$ENV_FILE"
+
+# 6. Units, and which instances: one per GPU (nvidia-smi -L), or one spanning
+#    EDGEQ_TENSOR_PARALLEL_SIZE GPUs each, or edgeq-worker@cpu without a GPU.
+mkdir -p "$UNITDIR/edgeq.target.wants" "$UNITDIR/multi-user.target.wants"
+UNITS_CHANGED=0
+for unit in "$HERE"/systemd/*; do
+    if ! cmp -s "$unit" "$UNITDIR/$(basename "$unit")"; then
+        install -m 0644 "$unit" "$UNITDIR/$(basename "$unit")"
+        changed "unit $(basename "$unit")"
+        UNITS_CHANGED=1
+    fi
+done
+gpus=0
+if command -v nvidia-smi >/dev/null; then
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+fi
+tp=$(sed -n 's/^EDGEQ_TENSOR_PARALLEL_SIZE=\([0-9]*\).*/\1/p' "$ENV_FILE" | tail -n 1)
+tp=${tp:-1}
+[ "$tp" -ge 1 ] || tp=1
+instances=""
+if [ "$gpus" -gt 0 ]; then
+    i=0
+    while [ $((i + tp)) -le "$gpus" ]; do
+        devices=$i
+        j=1
+        while [ "$j" -lt "$tp" ]; do devices="$devices\\x2c$((i + j))"; j=$((j + 1)); done
+        instances="$instances edgeq-worker@$devices.service"
+        i=$((i + tp))
+    done
+    say "nvidia-smi sees $gpus GPU(s), tensor parallel $tp:$instances"
+    [ "$i" -eq "$gpus" ] || say "warning: $((gpus - i)) GPU(s) left unused (not a multiple of $tp)"
+else
+    [ "$VARIANT" = cpu ] || say "warning: no GPU seen by nvidia-smi; enabling the CPU instance of a GPU build"
+    instances=" edgeq-worker@cpu.service"
+    say "no GPU seen: one CPU worker, edgeq-worker@cpu"
+fi
+for enabled in $(enabled_instances); do
+    case " $instances " in
+        *" $enabled "*) ;;
+        *)
+            if systemd_live; then systemctl disable --now "$enabled" >/dev/null 2>&1 || true; fi
+            rm -f "$UNITDIR/edgeq.target.wants/$enabled"
+            changed "disabled $enabled (not one of this box's instances now)"
+            ;;
+    esac
+done
+for instance in $instances; do
+    link=$UNITDIR/edgeq.target.wants/$instance
+    if [ "$(readlink "$link" 2>/dev/null || true)" != /etc/systemd/system/edgeq-worker@.service ]; then
+        ln -sfn /etc/systemd/system/edgeq-worker@.service "$link"
+        changed "enabled $instance"
+    fi
+done
+if [ "$(readlink "$UNITDIR/multi-user.target.wants/edgeq.target" 2>/dev/null || true)" != /etc/systemd/system/edgeq.target ]; then
+    ln -sfn /etc/systemd/system/edgeq.target "$UNITDIR/multi-user.target.wants/edgeq.target"
+    changed "enabled edgeq.target (starts at boot)"
+fi
+
+# 7. Switch current, keeping the one before as previous; drop older releases.
+current=$(basename "$(readlink "$OPT/current" 2>/dev/null || echo none)")
+old_previous=$(readlink "$OPT/previous" 2>/dev/null || true)
+SWITCHED=0
+if [ "$current" != "$VERSION" ]; then
+    switch_current "$VERSION"
+    if [ "$current" != none ]; then
+        ln -sfn "releases/$current" "$OPT/previous"
+        changed "current -> $VERSION (previous: $current, kept for --rollback)"
+    else
+        changed "current -> $VERSION"
+    fi
+    SWITCHED=1
+fi
+previous=$(basename "$(readlink "$OPT/previous" 2>/dev/null || echo none)")
+
+if [ "$CHANGED" = 0 ]; then
+    say "edgeq $VERSION is already installed as bundled: nothing changed"
+    exit 0
+fi
+
+# 8. Start (or restart) the workers, wait for READY=1, run one chat.
+rollback() {
+    reason=$1
+    if [ "$SWITCHED" = 1 ] && [ "$previous" != none ] && [ -d "$OPT/releases/$previous" ]; then
+        switch_current "$previous"
+        if [ -n "$old_previous" ]; then ln -sfn "$old_previous" "$OPT/previous"; else rm -f "$OPT/previous"; fi
+        restart_workers
+        die "smoke test failed: $reason. Rolled back to $previous; $VERSION stays in ${OPT#"$ROOT"}/releases for inspection (a new run retries it)."
+    fi
+    die "smoke test failed: $reason. No earlier release to roll back to."
+}
+
+if systemd_live; then
+    systemctl daemon-reload
+    systemctl enable edgeq.target >/dev/null
+    if [ "$SWITCHED" = 1 ] || [ "$UNITS_CHANGED" = 1 ]; then restart_workers; fi
+    systemctl start --no-block edgeq.target
+    if [ "$SMOKE" = 1 ]; then
+        for instance in $instances; do
+            say "waiting for $instance to be ready (READY=1, up to ${READY_TIMEOUT_S} s)"
+            waited=0
+            while :; do
+                state=$(systemctl show -p ActiveState --value "$instance")
+                [ "$state" = active ] && break
+                if [ "$state" = failed ] || [ "$waited" -ge "$READY_TIMEOUT_S" ]; then
+                    journalctl -u "$instance" -n 30 --no-pager >&2 || true
+                    rollback "$instance is $state after ${waited} s (journalctl -u $instance)"
+                fi
+                sleep 2
+                waited=$((waited + 2))
+            done
+        done
+        say "smoke test: one chat through the queue"
+        # shellcheck disable=SC1090
+        if ! out=$(set -a && . "$ENV_FILE" && set +a && "$OPT/current/bin/edgeq" chat \
+            --max-tokens 8 --timeout 120 "Say hello." 2>&1); then
+            rollback "edgeq chat: $out"
+        fi
+        say "smoke test passed: $out"
+    fi
+else
+    [ "$USE_SYSTEMD" = 1 ] && say "systemd is not running here: units installed and enabled, not started"
+    if [ "$SMOKE" = 1 ]; then
+        if [ -n "${EDGEQ_INSTALL_SMOKE_CMD:-}" ]; then
+            smoke=$EDGEQ_INSTALL_SMOKE_CMD
+        else
+            # Without systemd no worker runs: check that the release imports its engine.
+            smoke='"$EDGEQ_CURRENT/bin/python" -c "import vllm, worker.engine, worker.notify" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
+        fi
+        say "smoke test (no systemd): $smoke"
+        if ! out=$(EDGEQ_CURRENT=$OPT/current sh -c "$smoke" 2>&1); then
+            rollback "$(printf '%s\n' "$out" | tail -n 5)"
+        fi
+        say "smoke test passed"
+    fi
+fi
+
+# Only after a good start: drop releases other than current and previous.
+for release in "$OPT"/releases/*; do
+    name=$(basename "$release")
+    [ "$name" = "$VERSION" ] || [ "$name" = "$previous" ] || [ ! -d "$release" ] && continue
+    rm -rf "$release"
+    echo "  - removed old release $name"
+done
+say "edgeq $VERSION installed ($CHANGED change(s)); previous release: $previous"
+systemd_live && say "status: systemctl status 'edgeq-worker@*'   logs: journalctl -u 'edgeq-worker@*' -f"
+exit 0

