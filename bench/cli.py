@@ -139,6 +139,12 @@ def collect_metrics(
     }
 
 
+def setup_failed(error: Exception) -> int:
+    """Say what is wrong with the options or settings; the exit status that goes with it."""
+    _say(str(error))
+    return EXIT_CONFIG if isinstance(error, ConfigError) else EXIT_USAGE
+
+
 def prepare_workload(spec: WorkloadSpec, model: str) -> tuple[Workload, Callable[[str], int]] | int:
     """The workload and a token counter for `model`, or the exit status saying why not."""
     try:
@@ -164,12 +170,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         spec = workload_spec(args)
         slos_ms = parse_goodput(args.goodput or ())
         model = args.model or default_model()
-    except (UsageError, WorkloadError, ValueError) as error:
-        _say(str(error))
-        return EXIT_USAGE
-    except ConfigError as error:
-        _say(str(error))
-        return EXIT_CONFIG
+    except (UsageError, WorkloadError, ValueError, ConfigError) as error:
+        return setup_failed(error)
 
     _say(f"building the workload with the tokenizer of {model}")
     prepared = prepare_workload(spec, model)

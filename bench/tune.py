@@ -30,6 +30,7 @@ from bench.cli import (
     default_model,
     prepare_workload,
     run_config,
+    setup_failed,
     workload_spec,
 )
 from bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
@@ -37,7 +38,7 @@ from bench.records import ModeRun
 from bench.report import describe_workload
 from bench.runners import ModeKind, ModePlan, Progress, run_plan
 from bench.workload import Workload, WorkloadError
-from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_USAGE
+from producer.cli import EXIT_JOB_FAILED, EXIT_OK
 from producer.settings import ConfigError, ConnectionSettings, load_settings
 
 #: What the sweep varies, in the order the table and the env file show them.
@@ -457,12 +458,8 @@ def run_tune_command(args: argparse.Namespace) -> int:
             args.max_num_seqs, args.max_num_batched_tokens, args.chunked_prefill, args.block_size
         )
         fixed = fixed_settings(model)
-    except (UsageError, WorkloadError, ValueError) as error:
-        _say(str(error))
-        return EXIT_USAGE
-    except ConfigError as error:
-        _say(str(error))
-        return EXIT_CONFIG
+    except (UsageError, WorkloadError, ValueError, ConfigError) as error:
+        return setup_failed(error)
 
     _say(f"{len(configs)} configurations; building the workload with the tokenizer of {model}")
     prepared = prepare_workload(spec, model)
