@@ -100,7 +100,12 @@ async def test_a_plain_redis_subscriber_sees_the_documented_json_events(
 ) -> None:
     """What a service in another language does: plain SET/ZADD, plain SUBSCRIBE, plain JSON."""
     redis = Redis.from_url(redis_server.url)
-    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
+    # A full-length seed: the tiny model would otherwise end at once now and then.
+    request = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 12,
+        "seed": FULL_LENGTH_SEEDS[0],
+    }
     try:
         events = await run_raw_job(redis, worker.env["EDGEQ_QUEUE"], arq_job_bytes(request))
     finally:
