@@ -27,7 +27,7 @@ import httpx
 from bench.workload import BenchRequest
 from producer.client import ChatClient
 from producer.protocol import ChatRequest, DeltaEvent, DoneEvent, ErrorEvent
-from producer.settings import ConnectionSettings
+from producer.settings import ConnectionSettings, redacted_url
 
 if TYPE_CHECKING:
     from worker.engine import ChatEngine
@@ -138,7 +138,7 @@ class QueueTarget:
 
     @property
     def description(self) -> str:
-        return f"edgeq queue {self.settings.queue} at {self.settings.redis_url}"
+        return f"edgeq queue {self.settings.queue} at {redacted_url(self.settings.redis_url)}"
 
     async def __aenter__(self) -> QueueTarget:
         return self

@@ -26,6 +26,7 @@ from arq.connections import ArqRedis
 from pydantic import ValidationError
 from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 from producer.errors import (
     EdgeqError,
@@ -51,6 +52,7 @@ from producer.protocol import (
     stream_channel,
 )
 from producer.queue import Enqueued, JobQueue
+from producer.sentinel import is_sentinel_url, parse_sentinel_url
 from producer.settings import ConnectionSettings, load_settings, redacted_url
 from producer.streams import EventLog, declare_lost, finished_with, lease_expired, read_events
 
@@ -74,20 +76,61 @@ def make_redis(
     job_serializer: Callable[[Any], bytes] = dump_json,
     job_deserializer: Callable[[bytes], Any] = load_json,
 ) -> ArqRedis:
-    """One pooled client (arq's Redis subclass, JSON serializers) for a process or a client."""
-    pool = ConnectionPool.from_url(
-        settings.redis_url,
-        socket_connect_timeout=settings.redis_connect_timeout_s,
-        socket_timeout=settings.redis_socket_timeout_s,
-        socket_keepalive=True,
+    """One pooled client (arq's Redis subclass, JSON serializers) for a process or a client.
+
+    With a ``redis+sentinel://`` URL the pool asks the Sentinels where the master is before
+    each new connection, and again after a failover (as arq's own ``create_pool`` does).
+    """
+    sockets: dict[str, Any] = {
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_keepalive": True,
+    }
+    if not is_sentinel_url(settings.redis_url):
+        pool = ConnectionPool.from_url(
+            settings.redis_url, health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S, **sockets
+        )
+        return ArqRedis(
+            pool,
+            job_serializer=job_serializer,
+            job_deserializer=job_deserializer,
+            default_queue_name=settings.queue,
+        )
+    target = parse_sentinel_url(settings.redis_url)
+    sentinels = Sentinel(
+        target.hosts,
+        sentinel_kwargs={
+            **sockets,
+            "username": target.sentinel_username,
+            "password": target.sentinel_password,
+        },
+    )
+    redis = sentinels.master_for(
+        target.service_name,
+        redis_class=ArqRedis,
+        connection_pool_class=_SentinelPool,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        ssl=target.ssl,
         health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S,
+        **sockets,
     )
-    return ArqRedis(
-        pool,
-        job_serializer=job_serializer,
-        job_deserializer=job_deserializer,
-        default_queue_name=settings.queue,
-    )
+    redis.job_serializer = job_serializer
+    redis.job_deserializer = job_deserializer
+    redis.default_queue_name = settings.queue
+    return redis
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """Closing the client closes its connections to the Sentinels too (redis-py leaves them
+    open); they reopen if the client is used again."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # closing, not just dropping idle links to a former master
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.connection_pool.disconnect()
 
 
 @contextmanager
@@ -105,6 +148,11 @@ def redis_errors(url: str) -> Iterator[None]:
                 f"Redis at {redacted_url(url)} refused the command: {error}"
             ) from None
         raise
+    except MasterNotFoundError as error:  # a ConnectionError: no Sentinel named a master
+        raise RedisUnavailable(
+            f"the Sentinels at {redacted_url(url)} named no master: {error} (check the service "
+            f"name, the Sentinels' host:port and ?sentinel_password= in EDGEQ_REDIS_URL)"
+        ) from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
         raise RedisUnavailable(f"cannot reach Redis at {redacted_url(url)}: {error}") from None
 
@@ -302,7 +350,8 @@ class ChatClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
+        # The pool was handed to redis-py, which then leaves it open unless told to close it.
+        await self.redis.aclose(close_connection_pool=True)
 
     async def submit(
         self, messages: MessagesLike, *, deadline_s: float | None = None, **fields: Any

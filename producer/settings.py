@@ -7,15 +7,21 @@ same environment always agree on where the queue is.
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from producer.sentinel import is_sentinel_url, parse_sentinel_url
+
 ENV_PREFIX = "EDGEQ_"
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+# A password in a URL's query string (redis-py's ?password=, our ?sentinel_password=, and
+# misspellings of them such as ?sentinel_pasword=).
+QUERY_PASSWORD = re.compile(r"([?&][^=&#]*(?:pas|pw)[^=&#]*=)[^&#]*", re.IGNORECASE)
 
 
 class ConfigError(Exception):
@@ -34,7 +40,13 @@ class ConnectionSettings(BaseSettings):
     # Knob 6 (connection pooling, timeouts): one pooled client per process, bounded waits.
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Redis holding the queue and the streams (redis://, rediss:// or unix://).",
+        description=(
+            "Redis holding the queue and the streams (redis://, rediss:// or unix://), or the "
+            "Sentinels of a highly available one: redis+sentinel://[[username]:password@]"
+            "host1:port1[,host2:port2,...]/service_name[/db] (the password is the data nodes'; "
+            "?sentinel_password= and &sentinel_username= for Sentinels with their own; "
+            "rediss+sentinel:// for TLS to the data nodes)."
+        ),
     )
     queue: str = Field("edgeq:queue", min_length=1, description="arq queue name (a sorted set).")
     redis_connect_timeout_s: float = Field(
@@ -78,22 +90,31 @@ class ConnectionSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str) -> str:
+        if is_sentinel_url(value):
+            parse_sentinel_url(value)  # its ValueError says what is wrong (no password in it)
+            return value
         scheme = urlsplit(value).scheme
         if scheme not in {"redis", "rediss", "unix"}:
-            raise ValueError("must start with redis://, rediss:// or unix://")
+            raise ValueError(
+                "must start with redis://, rediss://, unix://, redis+sentinel:// "
+                "or rediss+sentinel://"
+            )
         return value
 
 
 def redacted_url(url: str) -> str:
-    """The URL with any password replaced, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """The URL with any password replaced, for messages and logs: the one before the ``@``
+    and any ``password=`` / ``sentinel_password=`` query parameter (or one spelt close to
+    those). It never parses the hosts, so it works on sentinel URLs (``h1:1,h2:2``) and on
+    malformed URLs too."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
+    elif at and is_sentinel_url(url):  # refused there: may be a password missing its ':'
+        netloc = f"***@{hosts}"
+    return QUERY_PASSWORD.sub(r"\1***", f"{scheme}{sep}{netloc}{slash}{path}")
 
 
 def describe_validation_error(error: ValidationError, prefix: str = ENV_PREFIX) -> str:

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from producer.sentinel import is_sentinel_url
 from producer.settings import ConfigError, load_settings, redacted_url
 from worker.localrun import RedisServer, WorkerFailed, WorkerProcess
 from worker.settings import WorkerSettings
@@ -26,6 +27,8 @@ def say(message: str) -> None:
 
 
 def redis_answers(url: str) -> bool:
+    if is_sentinel_url(url):
+        return True  # the Sentinels are someone else's to run; the worker says if they fail
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
     except redis.RedisError:
@@ -35,7 +38,7 @@ def redis_answers(url: str) -> bool:
 def ensure_redis(url: str) -> RedisServer | None:
     """None when a Redis already answers at the URL; else a private one on its port."""
     if redis_answers(url):
-        say(f"using the Redis that answers at {redacted_url(url)}")
+        say(f"using the Redis at {redacted_url(url)}")
         return None
     parts = urlsplit(url)
     if parts.scheme != "redis" or parts.hostname not in LOCAL_HOSTS:

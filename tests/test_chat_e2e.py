@@ -13,24 +13,21 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from helpers import EDGEQ, TEST_MAX_NUM_BATCHED_TOKENS, arq_job_bytes, run_raw_job
+from helpers import (
+    EDGEQ,
+    FULL_LENGTH_SEEDS,
+    TEST_MAX_NUM_BATCHED_TOKENS,
+    arq_job_bytes,
+    assert_intact,
+    run_raw_job,
+)
 from producer.client import ChatClient
-from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from producer.protocol import DeltaEvent, DoneEvent, StreamEvent
 
 pytestmark = pytest.mark.engine
 
 # Long enough that generation on the tiny model takes visibly longer than one delta interval.
 LONG_ANSWER_TOKENS = 300
-# On the near-uniform tiny model the seed, not the prompt, decides when <|im_end|> is drawn;
-# these seeds run the full LONG_ANSWER_TOKENS (seen on this machine type).
-FULL_LENGTH_SEEDS = (8, 10, 12)
-
-
-def assert_intact(events: list[StreamEvent], job_id: str) -> None:
-    assert [event.seq for event in events] == list(range(len(events)))
-    assert all(event.job_id == job_id for event in events)
-    assert isinstance(events[-1], DoneEvent | ErrorEvent)
-    assert not any(isinstance(event, DoneEvent | ErrorEvent) for event in events[:-1])
 
 
 async def test_chat_streams_deltas_before_done_and_they_join_to_the_result(
