@@ -13,10 +13,11 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from producer.client import ChatClient, ChatJob, InvalidRequest
+from producer.client import ChatClient, ChatJob, InvalidRequest, redis_errors
 from producer.errors import EdgeqError, JobFailed, QueueFull, RedisUnavailable
 from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent
 from producer.settings import ConfigError, ConnectionSettings, load_settings
+from producer.status import read_status, render_status
 
 # sysexits.h: systemd units and scripts can tell "fix the config" from "try again later".
 EXIT_OK = 0
@@ -101,6 +102,14 @@ async def _cancel(args: argparse.Namespace) -> int:
     return EXIT_JOB_FAILED
 
 
+async def _status(args: argparse.Namespace) -> int:
+    async with ChatClient(_connection_settings(args)) as client:
+        with redis_errors(client.settings.redis_url):
+            status = await read_status(client.redis, client.settings)
+    print(status.model_dump_json(indent=2) if args.json else render_status(status))
+    return EXIT_OK
+
+
 def _run_producer_command(name: str, command: Callable[[argparse.Namespace], Awaitable[int]]):
     def run(args: argparse.Namespace) -> int:
         try:
@@ -126,6 +135,16 @@ def _run_producer_command(name: str, command: Callable[[argparse.Namespace], Awa
 run_chat_command = _run_producer_command("chat", _chat)
 run_watch_command = _run_producer_command("watch", _watch)
 run_cancel_command = _run_producer_command("cancel", _cancel)
+run_status_command = _run_producer_command("status", _status)
+
+
+def run_gateway_command(args: argparse.Namespace) -> int:
+    try:
+        from gateway.cli import run_gateway_command as run
+    except ImportError as error:
+        _print_error("gateway", f"the gateway is not installed ({error}); install edgeq[gateway]")
+        return EXIT_CONFIG
+    return run(env_file=args.env_file)
 
 
 # --- worker-side commands --------------------------------------------------------------------
@@ -211,6 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job_id")
     _connection_options(cancel)
     cancel.set_defaults(handler=run_cancel_command)
+
+    status = commands.add_parser(
+        "status", help="queue depth, live workers and recent outcomes, read from Redis"
+    )
+    status.add_argument("--json", action="store_true", help="print it as JSON, for scripts")
+    _connection_options(status)
+    status.set_defaults(handler=run_status_command)
+
+    gateway = commands.add_parser(
+        "gateway", help="serve an OpenAI-compatible HTTP API in front of the queue"
+    )
+    gateway.add_argument("--env-file", type=Path, help="read settings from this file too")
+    gateway.set_defaults(handler=run_gateway_command)
 
     worker = commands.add_parser(
         "worker", help="run the worker: one warm engine serving the queue (needs edgeq[gpu|cpu])"

@@ -337,7 +337,9 @@ class ChatClient:
         self.settings = settings
         self.redis = make_redis(settings)
         self.queue = JobQueue(self.redis, settings.queue)
-        self.events = EventLog(self.redis, replay_ttl_s=settings.replay_ttl_s)
+        self.events = EventLog(
+            self.redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue
+        )
 
     @classmethod
     def from_url(cls, redis_url: str, **overrides: Any) -> ChatClient:

@@ -5,6 +5,8 @@ writes (the worker, a client cancelling, a reaper declaring a worker lost):
 
 - ``seq`` is assigned by Redis from the length of the job's replay stream: gap-free;
 - after a terminal event (``done`` or ``error``) nothing more is accepted: exactly one;
+- a terminal event counts its outcome (``done`` or the error code) in the queue's per-minute
+  tally that ``edgeq status`` reads (producer/workers.py);
 - the event is appended to the replay stream ``edgeq:events:{<job_id>}`` (stream id
   ``<seq>-1``, so ``after_seq`` maps onto stream ids) and published on
   ``edgeq:stream:<job_id>`` in the same step: a reader that subscribes first and then reads
@@ -16,6 +18,7 @@ The braces in key names are Redis Cluster hash tags: a job's keys live in one sl
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +43,22 @@ local seq = redis.call('XLEN', KEYS[1])
 local event = ARGV[1] .. '"seq":' .. seq .. ',' .. ARGV[2]
 redis.call('XADD', KEYS[1], seq .. '-1', 'event', event)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if ARGV[3] == '1' then redis.call('SET', KEYS[2], seq, 'PX', ARGV[4]) end
+if ARGV[3] == '1' then
+  redis.call('SET', KEYS[2], seq, 'PX', ARGV[4])
+  if #KEYS > 3 then
+    redis.call('HINCRBY', KEYS[4], ARGV[5], 1)
+    redis.call('EXPIRE', KEYS[4], ARGV[6])
+  end
+end
 local listeners = redis.call('PUBLISH', KEYS[3], event)
 return {seq, listeners}
 """
 
 AnyEvent = DeltaEvent | DoneEvent | ErrorEvent
+
+#: Per-minute outcome tallies are kept this long, so "recent" can reach back an hour.
+OUTCOME_RETENTION_S = 3900
+OUTCOME_BUCKET_S = 60
 
 
 def events_key(job_id: str) -> str:
@@ -54,6 +67,11 @@ def events_key(job_id: str) -> str:
 
 def terminal_key(job_id: str) -> str:
     return f"edgeq:terminal:{{{job_id}}}"
+
+
+def outcomes_key(queue: str, now_s: float) -> str:
+    """A hash per queue and minute: outcome (``done`` or error code) -> jobs ended."""
+    return f"{queue}:outcomes:{int(now_s // OUTCOME_BUCKET_S)}"
 
 
 class StreamClosed(Exception):
@@ -75,8 +93,16 @@ class EventLog:
     awaits its own result, so per-job order and StreamClosed are unchanged.
     """
 
-    def __init__(self, redis: Redis, *, replay_ttl_s: float, batched: bool = False) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        replay_ttl_s: float,
+        queue: str | None = None,
+        batched: bool = False,
+    ) -> None:
         self._redis = redis
+        self._queue = queue  # where terminal outcomes are counted (None: not counted)
         self._script = redis.register_script(_PUBLISH)
         self._ttl_ms = str(int(replay_ttl_s * 1000))
         self._batched = batched
@@ -86,9 +112,15 @@ class EventLog:
     def _arguments(self, event: AnyEvent) -> tuple[list[str], list[bytes | str]]:
         raw = event.model_copy(update={"seq": 0}).model_dump_json(exclude_none=True).encode()
         head, tail = raw.split(_SEQ_PLACEHOLDER, 1)
-        terminal = "0" if isinstance(event, DeltaEvent) else "1"
         keys = [events_key(event.job_id), terminal_key(event.job_id), stream_channel(event.job_id)]
-        return keys, [head, tail, terminal, self._ttl_ms]
+        if isinstance(event, DeltaEvent):
+            return keys, [head, tail, "0", self._ttl_ms]
+        args: list[bytes | str] = [head, tail, "1", self._ttl_ms]
+        if self._queue is not None:
+            keys.append(outcomes_key(self._queue, time.time()))
+            outcome = "done" if isinstance(event, DoneEvent) else event.code
+            args += [outcome, str(OUTCOME_RETENTION_S)]
+        return keys, args
 
     async def append(self, event: AnyEvent) -> Published:
         """Append one event (its ``seq`` is ignored: Redis assigns it)."""

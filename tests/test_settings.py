@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from gateway.settings import GatewaySettings
 from producer.settings import ConfigError, ConnectionSettings, load_settings, redacted_url
 from worker.settings import WorkerSettings
 
 ENV_EXAMPLE = Path(__file__).parent.parent / ".env.example"
+# The worker's settings and the gateway's both extend the shared connection settings.
+ALL_FIELDS = WorkerSettings.model_fields | GatewaySettings.model_fields
 
 
 pytestmark = pytest.mark.usefixtures("clean_edgeq_env")
@@ -86,7 +89,7 @@ def test_env_example_documents_every_setting() -> None:
         for line in ENV_EXAMPLE.read_text().splitlines()
         if line.lstrip("# ").startswith("EDGEQ_") and "=" in line
     }
-    fields = {f"EDGEQ_{name.upper()}" for name in WorkerSettings.model_fields}
+    fields = {f"EDGEQ_{name.upper()}" for name in ALL_FIELDS}
     assert fields == documented
 
 
@@ -94,7 +97,21 @@ def test_readme_explains_every_setting() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     missing = [
         f"EDGEQ_{name.upper()}"
-        for name in WorkerSettings.model_fields
+        for name in ALL_FIELDS
         if f"`EDGEQ_{name.upper()}`" not in readme
     ]
     assert missing == []
+
+
+def test_gateway_lists_are_comma_separated_and_bad_values_are_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("EDGEQ_GATEWAY_API_KEYS", " key-a, ,key-b ")
+    monkeypatch.setenv("EDGEQ_GATEWAY_MODEL_ALIASES", "Qwen-0.6B")
+    settings = load_settings(GatewaySettings)
+    assert settings.gateway_api_keys == ["key-a", "key-b"]
+    assert settings.gateway_model_aliases == ["Qwen-0.6B"]
+    assert settings.gateway_host == "127.0.0.1"  # loopback unless told otherwise
+    monkeypatch.setenv("EDGEQ_GATEWAY_PORT", "70000")
+    with pytest.raises(ConfigError, match="EDGEQ_GATEWAY_PORT"):
+        load_settings(GatewaySettings)

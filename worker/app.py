@@ -23,8 +23,10 @@ from arq.worker import func
 from producer.client import make_redis
 from producer.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from producer.streams import EventLog, StreamClosed, reap_lost_jobs, renew_leases
-from worker.engine import ChatEngine
+from producer.workers import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
+from worker.engine import ChatEngine, describe_device
 from worker.jobs import chat
+from worker.metrics import WorkerMetrics, serve_metrics
 from worker.notify import keep_watchdog, notify, watchdog_interval_s
 from worker.pickup import FastPickupWorker
 from worker.settings import WorkerSettings
@@ -83,6 +85,7 @@ class EdgeqWorker(FastPickupWorker):
         await super().finish_failed_job(job_id, result_data)
         code, message = early_failure(result_data)
         event = ErrorEvent(job_id=job_id, seq=0, code=code.value, message=message)
+        self.ctx["metrics"].job_ended(code.value)
         try:
             await self.ctx["events"].append(event)
             log.info("job_failed", job_id=job_id, code=code.value, reason=message)
@@ -103,12 +106,31 @@ class EdgeqWorker(FastPickupWorker):
         super().handle_sig_wait_for_completion(signum)
 
 
-async def keep_leases(ctx: dict[str, Any]) -> None:
-    """Renew the leases of this worker's running jobs; end other workers' lost jobs."""
+def describe_worker(ctx: dict[str, Any], now_s: float) -> WorkerInfo:
+    settings: WorkerSettings = ctx["settings"]
+    return WorkerInfo(
+        worker_id=worker_id(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        queue=settings.queue,
+        model=settings.model,
+        profile=settings.profile,
+        device=ctx["device"],
+        state="draining" if ctx["draining"].is_set() else "ready",
+        running=len(ctx["running"]),
+        max_jobs=settings.arq_max_jobs,
+        metrics_port=settings.metrics_port or None,
+        started_at=ctx["started_at"],
+        heartbeat_at=now_s,
+    )
+
+
+async def keep_alive(ctx: dict[str, Any]) -> None:
+    """Each lease period: renew the leases of this worker's running jobs, end other workers'
+    lost jobs, and say this worker is alive (``edgeq status``, the gateway's /ready)."""
     settings: WorkerSettings = ctx["settings"]
     redis = ctx["redis"]
     while True:
-        await asyncio.sleep(settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL)
         try:
             now = time.time()
             await renew_leases(
@@ -118,21 +140,27 @@ async def keep_leases(ctx: dict[str, Any]) -> None:
                 redis, ctx["events"], queue=settings.queue, now_s=now
             ):
                 log.warning("job_lost", job_id=job_id, reason="its worker's lease ran out")
+            await publish_heartbeat(redis, describe_worker(ctx, now), ttl_s=settings.lease_ttl_s)
+            ctx["metrics"].waiting.set((await queue_depth(redis, settings.queue)).waiting)
         except REDIS_ERRORS as error:
             log.warning("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
+        await asyncio.sleep(settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL)
 
 
 async def start_engine(ctx: dict[str, Any]) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
     settings: WorkerSettings = ctx["settings"]
-    ctx["events"] = EventLog(ctx["redis"], replay_ttl_s=settings.replay_ttl_s, batched=True)
+    ctx["events"] = EventLog(
+        ctx["redis"], replay_ttl_s=settings.replay_ttl_s, queue=settings.queue, batched=True
+    )
     began = time.monotonic()
     engine = await ChatEngine.start(settings)
     built = time.monotonic()
     if settings.warmup:
         await engine.warm_up()
     ctx["engine"] = engine
-    ctx["lease_keeper"] = asyncio.create_task(keep_leases(ctx))
+    ctx["device"] = describe_device(settings)
+    ctx["lease_keeper"] = asyncio.create_task(keep_alive(ctx))
     log.info(
         "worker_ready",
         worker=worker_id(),
@@ -140,6 +168,8 @@ async def start_engine(ctx: dict[str, Any]) -> None:
         queue=settings.queue,
         max_model_len=engine.max_model_len,
         max_jobs=settings.arq_max_jobs,
+        device=ctx["device"],
+        metrics_port=settings.metrics_port or None,
         engine_build_s=round(built - began, 2),
         warmup_s=round(time.monotonic() - built, 3),
         since_process_start_s=round(time.monotonic() - ctx["process_started"], 2),
@@ -158,14 +188,21 @@ async def stop_engine(ctx: dict[str, Any]) -> None:
         keeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keeper
+    settings: WorkerSettings = ctx["settings"]
+    with contextlib.suppress(*REDIS_ERRORS):  # else its record expires within a lease
+        await remove_worker(ctx["redis"], settings.queue, worker_id())
     engine: ChatEngine | None = ctx.pop("engine", None)
     if engine is not None:
         engine.shutdown()
     log.info("worker_stopped", worker=worker_id())
 
 
-def build_worker(settings: WorkerSettings, *, process_started: float) -> EdgeqWorker:
+def build_worker(
+    settings: WorkerSettings, *, process_started: float, metrics: WorkerMetrics
+) -> EdgeqWorker:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
+    running: set[str] = set()
+    metrics.count_running(lambda: len(running))
     return EdgeqWorker(
         functions=[
             func(
@@ -195,7 +232,9 @@ def build_worker(settings: WorkerSettings, *, process_started: float) -> EdgeqWo
         ctx={
             "settings": settings,
             "process_started": process_started,
-            "running": set(),
+            "started_at": time.time(),
+            "metrics": metrics,
+            "running": running,
             "draining": asyncio.Event(),
         },
     )
@@ -204,6 +243,9 @@ def build_worker(settings: WorkerSettings, *, process_started: float) -> EdgeqWo
 def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
     """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
     EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
-    worker = build_worker(settings, process_started=process_started)
+    metrics = WorkerMetrics()
+    if settings.metrics_port:
+        serve_metrics(settings.metrics_host, settings.metrics_port)
+    worker = build_worker(settings, process_started=process_started, metrics=metrics)
     worker.fast_pickup = settings.fast_pickup
     worker.run()

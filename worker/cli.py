@@ -9,8 +9,8 @@ from pathlib import Path
 import structlog
 
 from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
+from producer.logs import configure_logging
 from producer.settings import ConfigError, load_settings
-from worker.logs import configure_logging
 from worker.settings import WorkerSettings
 
 

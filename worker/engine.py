@@ -71,6 +71,18 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
     )
 
 
+def describe_device(settings: WorkerSettings) -> str:
+    """What the engine runs on, for ``edgeq status``: "cpu", or the GPUs' names and indexes
+    (read through NVML, which does not initialise CUDA in this process before vLLM does)."""
+    if current_platform.is_cpu():
+        return "cpu"
+    names = [
+        current_platform.get_device_name(index) for index in range(settings.tensor_parallel_size)
+    ]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    return f"{' + '.join(names)} (CUDA_VISIBLE_DEVICES={visible})"
+
+
 class ChatEngine:
     """One AsyncLLM for the life of the worker, plus its tokenizer and the box's defaults."""
 

@@ -29,6 +29,7 @@ from producer.protocol import (
 )
 from producer.streams import release_lease, renew_leases
 from worker.engine import ChatEngine, PromptTooLong
+from worker.metrics import WorkerMetrics
 from worker.publisher import StreamClosed, StreamPublisher
 from worker.reasoning import ReasoningSplitter
 from worker.settings import WorkerSettings
@@ -80,19 +81,27 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         ctx["events"], job_id, interval_s=settings.stream_interval_ms / 1000
     )
     enqueued_s = ctx["enqueue_time"].timestamp()
+    metrics: WorkerMetrics = ctx["metrics"]
     running: set[str] = ctx["running"]
     running.add(job_id)
+    outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     try:
         # Leased at once, so a worker killed from here on is noticed (README, "Guarantees").
         await renew_leases(
             ctx["redis"], settings.queue, [job_id], ttl_s=settings.lease_ttl_s, now_s=time.time()
         )
         async with asyncio.timeout(settings.job_timeout_s):
-            result = await run_chat(ctx["engine"], settings, publisher, payload, enqueued_s)
+            result = await run_chat(
+                ctx["engine"], settings, metrics, publisher, payload, enqueued_s
+            )
+        outcome = "done"
+        metrics.job_ended(outcome, e2e_s=time.time() - enqueued_s)
         return result.model_dump(mode="json", exclude_none=True)
     except JobRefused as refusal:
+        outcome = refusal.code.value
         return await _fail(publisher, refusal.code, refusal.message)
     except TimeoutError:
+        outcome = ErrorCode.TIMEOUT.value
         return await _fail(
             publisher,
             ErrorCode.TIMEOUT,
@@ -106,6 +115,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             reason="its stream was ended elsewhere (cancel or worker_lost)",
             engine_unfinished_requests=ctx["engine"].llm.get_num_unfinished_requests(),
         )
+        outcome = ErrorCode.CANCELLED.value
         return {"type": "error", "code": ErrorCode.CANCELLED.value, "message": "stream closed"}
     except asyncio.CancelledError:
         if ctx["draining"].is_set():
@@ -116,6 +126,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             )
         else:
             code, message = ErrorCode.CANCELLED, "the job was aborted before it finished"
+        outcome = code.value
         await _fail(publisher, code, message)
         raise
     except EngineDeadError:
@@ -129,6 +140,8 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             publisher, ErrorCode.ENGINE_ERROR, f"generation failed: {type(error).__name__}"
         )
     finally:
+        if outcome != "done":
+            metrics.job_ended(outcome)
         running.discard(job_id)
         await asyncio.shield(_release(ctx["redis"], settings.queue, job_id))
         structlog.contextvars.unbind_contextvars("job_id")
@@ -167,6 +180,7 @@ def generated_tokens(output: Any, counted_so_far: int) -> int:
 async def run_chat(
     engine: ChatEngine,
     settings: WorkerSettings,
+    metrics: WorkerMetrics,
     publisher: StreamPublisher,
     payload: JobPayload,
     enqueued_s: float,
@@ -181,6 +195,7 @@ async def run_chat(
         raise JobRefused(ErrorCode.PROMPT_TOO_LONG, str(error)) from None
     except VLLMValidationError as error:
         raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
+    metrics.job_started(queued_s=started_s - enqueued_s, prompt_tokens=len(prompt))
     log.info(
         "job_started",
         queued_ms=_ms_since(enqueued_s, started_s),
@@ -194,13 +209,21 @@ async def run_chat(
     answer: list[str] = []
     completion_tokens = 0
     first_token_s: float | None = None
+    last_tokens_s: float | None = None
     finish_reason = "abort"
     # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
     async with contextlib.aclosing(engine.generate(prompt, params, publisher.job_id)) as outputs:
         async for output in outputs:
             completion = output.outputs[0]
             if completion.token_ids:
-                first_token_s = first_token_s or time.time()
+                now_s = time.time()
+                first_token_s = first_token_s or now_s
+                metrics.tokens_arrived(
+                    len(completion.token_ids),
+                    gap_s=None if last_tokens_s is None else now_s - last_tokens_s,
+                    since_enqueue_s=now_s - enqueued_s,
+                )
+                last_tokens_s = now_s
             completion_tokens = generated_tokens(output, completion_tokens)
             text = splitter.feed(completion.text)
             answer.append(text)

@@ -97,10 +97,14 @@ class WorkerProcess:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     ready_event: dict[str, object] | None = None
+    metrics_port: int | None = None
 
     def start(self) -> WorkerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
+        # Several local workers (tests, bench --compare) must not fight over one port.
+        env.setdefault("EDGEQ_METRICS_PORT", str(free_port()))
+        self.metrics_port = int(env["EDGEQ_METRICS_PORT"]) or None
         if env.get("EDGEQ_LOG_LEVEL", "info").lower() not in READY_LOG_LEVELS:
             env["EDGEQ_LOG_LEVEL"] = "info"  # the ready event is an info line
         log = self.log_path.open("wb")
@@ -168,4 +172,53 @@ class WorkerProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        return self.process.returncode
+
+
+@dataclass
+class GatewayProcess:
+    """``edgeq gateway`` as a child process on its own loopback port."""
+
+    env: Mapping[str, str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = 60.0) -> GatewayProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            **self.env,
+            "EDGEQ_GATEWAY_HOST": "127.0.0.1",
+            "EDGEQ_GATEWAY_PORT": str(self.port),
+        }
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "producer.cli", "gateway"],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            wait_for_port(self.port, timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"the gateway did not start:\n{self.log_path.read_text()}") from None
+        return self
+
+    def stop(self) -> int | None:
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         return self.process.returncode

@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from producer.logs import LogLevel
 from producer.settings import ConnectionSettings
 
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
-LogLevel = Literal["debug", "info", "warning", "error"]
 Profile = Literal["latency", "throughput", "edge-small"]
 
 #: EDGEQ_PROFILE presets: field → value, applied only to fields not set explicitly (arguments,
@@ -108,6 +108,8 @@ class WorkerSettings(ConnectionSettings):
     warmup: bool = True
     log_level: LogLevel = "info"
     log_content: bool = False
+    metrics_host: str = Field("127.0.0.1", min_length=1)
+    metrics_port: int = Field(9400, ge=0, le=65535)
 
     @model_validator(mode="before")
     @classmethod

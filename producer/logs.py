@@ -1,12 +1,15 @@
-"""Structured JSON logs for the worker: structlog for our events, arq's stdlib records
-rendered the same way, one JSON object per line on stderr."""
+"""Structured JSON logs for the worker and the gateway: structlog for our events, stdlib
+records (arq, uvicorn) rendered the same way, one JSON object per line on stderr."""
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Literal
 
 import structlog
+
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 _SHARED_PROCESSORS: list[structlog.typing.Processor] = [
     structlog.contextvars.merge_contextvars,  # binds job_id to every event of a job

@@ -1,0 +1,50 @@
+"""``edgeq gateway``: serve the OpenAI-compatible API with uvicorn until SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import structlog
+import uvicorn
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from producer.cli import EXIT_CONFIG, EXIT_OK, EXIT_UNAVAILABLE
+from producer.logs import configure_logging
+from producer.settings import ConfigError, load_settings, redacted_url
+
+SHUTDOWN_MARGIN_S = 2.0
+
+
+def run_gateway_command(*, env_file: Path | None) -> int:
+    try:
+        overrides = {"_env_file": env_file} if env_file is not None else {}
+        settings = load_settings(GatewaySettings, **overrides)
+    except ConfigError as error:
+        print(f"edgeq gateway: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(settings.log_level)
+    structlog.get_logger("edgeq.gateway").info(
+        "gateway_starting",
+        listen=f"{settings.gateway_host}:{settings.gateway_port}",
+        redis=redacted_url(settings.redis_url),
+        queue=settings.queue,
+        auth="bearer" if settings.gateway_api_keys else "off",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings),
+            host=settings.gateway_host,
+            port=settings.gateway_port,
+            log_config=None,  # uvicorn's records go through our JSON handler
+            access_log=False,  # the gateway logs one structured event per request instead
+            # Streams get EDGEQ_GATEWAY_SHUTDOWN_TIMEOUT_S (sse-starlette's grace period);
+            # uvicorn waits a little longer, so it never cuts one short first.
+            timeout_graceful_shutdown=settings.gateway_shutdown_timeout_s + SHUTDOWN_MARGIN_S,
+            lifespan="on",
+        )
+    )
+    server.run()
+    # uvicorn returns (instead of raising) when it cannot bind or the lifespan fails.
+    return EXIT_OK if server.started else EXIT_UNAVAILABLE

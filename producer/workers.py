@@ -1,0 +1,115 @@
+"""Who is serving a queue: each worker's heartbeat record, and the recent outcome counts.
+
+A worker writes its record every lease renewal (``EDGEQ_LEASE_TTL_S`` / 4) with a TTL of one
+lease: a worker that stops renewing drops out of the list as its jobs are declared lost, so
+"live" means the same thing for ``edgeq status``, the gateway's ``/ready`` and the leases.
+
+Keys, per queue:
+
+- ``{queue}:workers``: sorted set, worker id -> last heartbeat (Unix ms), the index;
+- ``{queue}:worker:{id}``: the record (JSON), expiring one lease after the heartbeat;
+- ``{queue}:outcomes:{minute}``: hash, outcome -> count of jobs that ended that minute,
+  written by the event log's publish script with each terminal event (producer/streams.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Literal
+
+from pydantic import BaseModel, ValidationError
+from redis.asyncio import Redis
+
+from producer.streams import OUTCOME_BUCKET_S, leases_key, outcomes_key
+
+
+class WorkerInfo(BaseModel):
+    """One worker as ``edgeq status`` shows it."""
+
+    worker_id: str
+    host: str
+    pid: int
+    queue: str
+    model: str
+    profile: str | None
+    device: str
+    state: Literal["starting", "ready", "draining"]
+    running: int
+    max_jobs: int
+    metrics_port: int | None
+    started_at: float
+    heartbeat_at: float
+
+
+def workers_key(queue: str) -> str:
+    return f"{queue}:workers"
+
+
+def worker_key(queue: str, worker_id: str) -> str:
+    return f"{queue}:worker:{worker_id}"
+
+
+async def publish_heartbeat(redis: Redis, info: WorkerInfo, *, ttl_s: float) -> None:
+    async with redis.pipeline(transaction=True) as pipe:
+        record = info.model_dump_json()
+        pipe.set(worker_key(info.queue, info.worker_id), record, px=int(ttl_s * 1000))
+        pipe.zadd(workers_key(info.queue), {info.worker_id: int(info.heartbeat_at * 1000)})
+        await pipe.execute()
+
+
+async def remove_worker(redis: Redis, queue: str, worker_id: str) -> None:
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(worker_key(queue, worker_id))
+        pipe.zrem(workers_key(queue), worker_id)
+        await pipe.execute()
+
+
+async def live_workers(redis: Redis, queue: str) -> list[WorkerInfo]:
+    """The workers whose heartbeat is still fresh, oldest first; forgets the others."""
+    ids = [raw.decode() for raw in await redis.zrange(workers_key(queue), 0, -1)]
+    if not ids:
+        return []
+    records = await redis.mget([worker_key(queue, worker_id) for worker_id in ids])
+    workers, gone = [], []
+    for worker_id, record in zip(ids, records, strict=True):
+        try:
+            workers.append(WorkerInfo.model_validate_json(record))
+        except (ValidationError, TypeError, ValueError):  # expired (None) or unreadable
+            gone.append(worker_id)
+    if gone:
+        await redis.zrem(workers_key(queue), *gone)
+    return workers
+
+
+async def recent_outcomes(
+    redis: Redis, queue: str, *, window_s: float, now_s: float | None = None
+) -> dict[str, int]:
+    """How many jobs ended with each outcome (``done`` or an error code) in the last
+    ``window_s`` seconds, to the minute."""
+    now_s = time.time() if now_s is None else now_s
+    buckets = max(1, int(window_s // OUTCOME_BUCKET_S))
+    async with redis.pipeline(transaction=False) as pipe:
+        for back in range(buckets):
+            pipe.hgetall(outcomes_key(queue, now_s - back * OUTCOME_BUCKET_S))
+        replies = await pipe.execute()
+    totals: Counter[str] = Counter()
+    for reply in replies:
+        for outcome, count in reply.items():
+            totals[outcome.decode()] += int(count)
+    return dict(totals.most_common())
+
+
+class QueueDepth(BaseModel):
+    waiting: int  # accepted, not started by any worker yet
+    running: int  # started, holding a lease
+
+
+async def queue_depth(redis: Redis, queue: str) -> QueueDepth:
+    # arq keeps running jobs in the queue's sorted set until they finish; the leases set
+    # holds exactly the running ones.
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.zcard(queue)
+        pipe.zcard(leases_key(queue))
+        accepted, running = await pipe.execute()
+    return QueueDepth(waiting=max(0, int(accepted) - int(running)), running=int(running))

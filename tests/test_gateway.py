@@ -1,0 +1,378 @@
+"""`edgeq gateway` driven by clients we did not write: the official OpenAI SDK and LangChain's
+ChatOpenAI (the seed's own code), against a real gateway process in front of the real worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from helpers import FIGURES, FULL_LENGTH_SEEDS
+from producer.client import ChatClient
+from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from producer.streams import StreamClosed
+from worker.localrun import GatewayProcess, RedisServer, WorkerProcess
+
+pytestmark = pytest.mark.engine
+
+UNSERVED_QUEUE = "edgeq:gateway-unserved"  # no worker: its jobs wait until cancelled
+API_KEY = "sk-test-edgeq"
+LONG = 300  # tokens; with a FULL_LENGTH_SEEDS seed the answer is still running after a chunk
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A gateway in front of the session's worker; yields its OpenAI base URL."""
+    env = {
+        **{name: worker.env[name] for name in ("EDGEQ_REDIS_URL", "EDGEQ_QUEUE", "EDGEQ_MODEL")},
+        "EDGEQ_GATEWAY_MODEL_ALIASES": "Qwen-0.6B",
+    }
+    process = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "gateway.log").start()
+    yield process.base_url
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def unserved_gateway(
+    redis_server: RedisServer, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A gateway with an API key on a queue no worker serves, holding at most one job."""
+    env = {
+        "EDGEQ_REDIS_URL": redis_server.url,
+        "EDGEQ_QUEUE": UNSERVED_QUEUE,
+        "EDGEQ_MODEL": str(tiny_model),
+        "EDGEQ_MAX_QUEUE": "1",
+        "EDGEQ_GATEWAY_API_KEYS": f"other-key, {API_KEY}",
+        "EDGEQ_GATEWAY_RETRY_AFTER_S": "3",
+    }
+    process = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "unserved.log").start()
+    yield process.base_url
+    process.stop()
+
+
+@pytest.fixture
+async def sdk(gateway: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=gateway, api_key="EMPTY", max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+async def unserved_client(redis_server: RedisServer) -> AsyncIterator[ChatClient]:
+    async with ChatClient(redis_url=redis_server.url, queue=UNSERVED_QUEUE) as client:
+        yield client
+
+
+async def queued_job_ids(client: ChatClient, *, at_least: int = 1) -> list[str]:
+    """The ids in the queue once it holds ``at_least`` jobs (a job takes a moment to arrive)."""
+    async with asyncio.timeout(10):
+        while True:  # polling Redis: there is no event to wait on
+            ids = await client.redis.zrange(client.queue.name, 0, -1)
+            if len(ids) >= at_least:
+                return [raw.decode() for raw in ids]
+            await asyncio.sleep(0.02)
+
+
+async def terminal_event(client: ChatClient, job_id: str, timeout_s: float = 10.0) -> object:
+    job = await client.attach(job_id)
+    async with asyncio.timeout(timeout_s):
+        events = [event async for event in job.stream()]
+    return events[-1]
+
+
+async def test_a_non_streaming_chat_returns_the_same_answer_as_chat_client(
+    sdk: openai.AsyncOpenAI, client: ChatClient, worker: WorkerProcess
+) -> None:
+    model = worker.env["EDGEQ_MODEL"]
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=24,
+        seed=FULL_LENGTH_SEEDS[0],
+        temperature=0.7,
+    )
+    completion = raw.parse()
+    direct = await client.chat("Say something.", max_tokens=24, seed=FULL_LENGTH_SEEDS[0],
+                               temperature=0.7)  # fmt: skip
+
+    assert completion.choices[0].message.content == direct.text
+    assert completion.choices[0].message.role == "assistant"
+    assert completion.choices[0].finish_reason == direct.finish_reason == "length"
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == direct.usage.completion_tokens == 24
+    assert completion.usage.prompt_tokens == direct.usage.prompt_tokens
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 24
+    assert completion.model == model
+    job_id = raw.headers["x-edgeq-job-id"]
+    assert completion.id == f"chatcmpl-{job_id}"
+
+
+async def test_a_streaming_chat_sends_chunks_then_finish_then_usage(
+    sdk: openai.AsyncOpenAI, client: ChatClient, worker: WorkerProcess
+) -> None:
+    stream = await sdk.chat.completions.create(
+        model=worker.env["EDGEQ_MODEL"],
+        messages=[{"role": "user", "content": "Stream something."}],
+        max_tokens=40,
+        seed=FULL_LENGTH_SEEDS[1],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    direct = await client.chat("Stream something.", max_tokens=40, seed=FULL_LENGTH_SEEDS[1])
+
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 2, "the answer came in one piece: nothing was streamed"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == direct.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 40
+    assert len({chunk.id for chunk in chunks}) == 1
+
+
+async def test_extra_body_turns_thinking_off_like_chat_template_kwargs(
+    sdk: openai.AsyncOpenAI, client: ChatClient, worker: WorkerProcess
+) -> None:
+    """Qwen3's template renders a different prompt with thinking on and off, so the prompt's
+    token count shows which one the worker used."""
+
+    async def prompt_tokens(**extra: object) -> int:
+        completion = await sdk.chat.completions.create(
+            model=worker.env["EDGEQ_MODEL"],
+            messages=[{"role": "user", "content": "Think?"}],
+            max_tokens=2,
+            extra_body=extra,
+        )
+        assert completion.usage is not None
+        return completion.usage.prompt_tokens
+
+    off = await prompt_tokens(enable_thinking=False, return_reasoning=False)
+    on = await prompt_tokens(enable_thinking=True)
+    via_kwargs = await prompt_tokens(chat_template_kwargs={"enable_thinking": True})
+    direct_off = await client.chat("Think?", max_tokens=2, enable_thinking=False)
+    assert off == direct_off.usage.prompt_tokens
+    assert on != off
+    assert via_kwargs == on
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+async def test_a_bad_request_is_a_400_that_names_the_field(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess, fields: dict[str, object], named: str
+) -> None:
+    request: dict[str, object] = {
+        "model": worker.env["EDGEQ_MODEL"],
+        "messages": [{"role": "user", "content": "hi"}],
+        **fields,
+    }
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(**request)  # type: ignore[call-overload]
+    assert refused.value.status_code == 400
+    assert named in refused.value.message
+
+
+async def test_an_unknown_model_is_a_404_and_models_lists_the_served_one(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess
+) -> None:
+    with pytest.raises(openai.NotFoundError) as missing:
+        await sdk.chat.completions.create(
+            model="gpt-4o", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert "gpt-4o" in missing.value.message
+    listed = [model.id async for model in sdk.models.list()]
+    assert worker.env["EDGEQ_MODEL"] in listed and "Qwen-0.6B" in listed
+
+
+async def test_a_streaming_client_that_disconnects_cancels_its_job(
+    sdk: openai.AsyncOpenAI, client: ChatClient, worker: WorkerProcess
+) -> None:
+    """With the real worker. The tiny model can finish 300 tokens before the disconnect
+    reaches it on a busy machine, so a few tries are allowed; one cancel must happen."""
+    outcomes = []
+    for seed in FULL_LENGTH_SEEDS:
+        raw = await sdk.chat.completions.with_raw_response.create(
+            model=worker.env["EDGEQ_MODEL"],
+            messages=[{"role": "user", "content": "A long story, please."}],
+            max_tokens=LONG,
+            seed=seed,
+            stream=True,
+        )
+        stream = raw.parse()
+        async for _ in stream:
+            break  # the job has started (its first event is in): now walk away
+        await stream.close()
+        terminal = await terminal_event(client, raw.headers["x-edgeq-job-id"])
+        outcomes.append(terminal)
+        if isinstance(terminal, ErrorEvent):
+            break
+    terminal = outcomes[-1]
+    assert isinstance(terminal, ErrorEvent), f"no job was cancelled: {outcomes}"
+    assert terminal.code == "cancelled" and "disconnected" in terminal.message
+
+
+async def test_a_disconnect_mid_stream_cancels_at_once(
+    unserved_gateway: str, unserved_client: ChatClient, tiny_model: Path
+) -> None:
+    """The same, deterministic: this test plays the worker through the wire contract (as a
+    worker in another language would), so the stream is surely mid-answer at the disconnect."""
+    sdk = openai.AsyncOpenAI(base_url=unserved_gateway, api_key=API_KEY, max_retries=0)
+    request = asyncio.create_task(
+        sdk.chat.completions.create(
+            model=str(tiny_model), messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    (job_id,) = await queued_job_ids(unserved_client)
+    events = unserved_client.events
+    await events.append(DeltaEvent(job_id=job_id, seq=0, text="Once"))
+    stream = await request
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content == "Once":
+            break
+    await events.append(DeltaEvent(job_id=job_id, seq=0, text=" upon"))
+    await stream.close()
+    closed = time.monotonic()
+
+    terminal = await terminal_event(unserved_client, job_id)
+    assert isinstance(terminal, ErrorEvent) and terminal.code == "cancelled"
+    assert "disconnected" in terminal.message
+    FIGURES["gateway: disconnect -> job cancelled (ms)"] = round(
+        (time.monotonic() - closed) * 1000, 1
+    )
+    with pytest.raises(StreamClosed):  # the "worker" learns at its next event: it stops
+        await events.append(DeltaEvent(job_id=job_id, seq=0, text=" a time"))
+    await unserved_client.redis.zrem(UNSERVED_QUEUE, job_id)  # as the worker would
+
+
+async def test_a_full_queue_is_a_429_with_retry_after_and_a_waiting_client_that_leaves_cancels(
+    unserved_gateway: str, unserved_client: ChatClient, tiny_model: Path
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "wait"}]}
+    async with httpx.AsyncClient(base_url=unserved_gateway, headers=headers) as http:
+        # The first job takes the queue's one place and waits: nobody serves this queue.
+        waiting = asyncio.create_task(http.post("/chat/completions", json=body, timeout=30))
+        (job_id,) = await queued_job_ids(unserved_client)
+
+        sdk = openai.AsyncOpenAI(base_url=unserved_gateway, api_key=API_KEY, max_retries=0)
+        with pytest.raises(openai.RateLimitError) as full:
+            await sdk.chat.completions.create(**body)  # type: ignore[arg-type]
+        assert full.value.status_code == 429
+        assert full.value.response.headers["retry-after"] == "3"
+        assert "EDGEQ_MAX_QUEUE" in full.value.message
+
+        waiting.cancel()  # the HTTP client gives up on the non-streaming request
+        await asyncio.gather(waiting, return_exceptions=True)
+    terminal = await terminal_event(unserved_client, job_id)
+    assert isinstance(terminal, ErrorEvent) and terminal.code == "cancelled"
+    assert await unserved_client.queue.depth() == 0  # its place in the queue is free again
+
+
+async def test_api_keys_guard_v1_but_not_the_probes(unserved_gateway: str) -> None:
+    async with httpx.AsyncClient(base_url=unserved_gateway.removesuffix("/v1")) as http:
+        refused = await http.get("/v1/models")
+        wrong = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        allowed = await http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+        health = await http.get("/health")
+        ready = await http.get("/ready")
+    assert refused.status_code == wrong.status_code == 401
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert allowed.status_code == 200
+    assert health.status_code == 200
+    assert ready.status_code == 503 and UNSERVED_QUEUE in ready.json()["reason"]
+
+
+async def test_ready_says_a_warm_worker_serves_the_queue(gateway: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway.removesuffix("/v1")) as http:
+        ready = await http.get("/ready")
+    assert ready.status_code == 200
+    assert ready.json()["workers"] >= 1
+
+
+def test_langchain_chat_openai_streams_through_the_gateway_as_in_the_seed(
+    gateway: str, worker: WorkerProcess
+) -> None:
+    """The seed's client code, pointed at the gateway, unchanged but for the URL and model."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    client = httpx.Client(
+        base_url=gateway,
+        timeout=30.0,
+        limits=httpx.Limits(max_keepalive_connections=20, max_connections=100),
+    )
+    chat_model = langchain_openai.ChatOpenAI(
+        model="Qwen-0.6B",  # the seed's model name, accepted through EDGEQ_GATEWAY_MODEL_ALIASES
+        api_key="EMPTY",
+        base_url=gateway,
+        http_client=client,
+        streaming=True,
+        temperature=0.5,
+        top_p=0.9,
+        max_tokens=32,
+        seed=FULL_LENGTH_SEEDS[0],
+        extra_body={"enable_thinking": False, "return_reasoning": False},
+    )
+    pieces = [chunk.content for chunk in chat_model.stream("请简述量子力学的基本原理")]
+    client.close()
+    text = "".join(str(piece) for piece in pieces)
+    assert len([piece for piece in pieces if piece]) >= 2, "nothing was streamed"
+    assert text.strip()
+
+
+async def test_sigterm_lets_an_open_stream_finish_then_the_gateway_exits(
+    redis_server: RedisServer,
+    unserved_client: ChatClient,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    """Again playing the worker by hand, so the stream is open exactly when SIGTERM comes."""
+    env = {"EDGEQ_REDIS_URL": redis_server.url, "EDGEQ_QUEUE": UNSERVED_QUEUE,
+           "EDGEQ_MODEL": str(tiny_model), "EDGEQ_GATEWAY_SHUTDOWN_TIMEOUT_S": "10"}  # fmt: skip
+    gateway = GatewayProcess(env, tmp_path / "gateway.log").start()
+    try:
+        sdk = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0)
+        request = asyncio.create_task(
+            sdk.chat.completions.create(
+                model=str(tiny_model), messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        )
+        (job_id,) = await queued_job_ids(unserved_client)
+        events = unserved_client.events
+        await events.append(DeltaEvent(job_id=job_id, seq=0, text="Still"))
+        stream = await request
+        texts = []
+        async for chunk in stream:
+            texts.append(chunk.choices[0].delta.content)
+            if texts[-1] == "Still":
+                break
+        assert gateway.process is not None
+        gateway.process.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)  # the gateway is draining now
+        await events.append(DeltaEvent(job_id=job_id, seq=0, text=" here."))
+        usage = Usage(prompt_tokens=3, completion_tokens=2)
+        timings = Timings(queued_ms=1, ttft_ms=2, total_ms=3)
+        await events.append(
+            DoneEvent(job_id=job_id, seq=0, finish_reason="stop", usage=usage, timings=timings)
+        )
+        texts += [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+        assert "".join(text or "" for text in texts) == "Still here."
+        # uvicorn re-raises the signal once it has shut down; systemd counts that as clean.
+        assert await asyncio.to_thread(gateway.process.wait, 20) in (0, -signal.SIGTERM)
+        assert "Traceback" not in (tmp_path / "gateway.log").read_text()
+    finally:
+        gateway.stop()
+        await unserved_client.redis.zrem(UNSERVED_QUEUE, job_id)

@@ -1,0 +1,133 @@
+"""The worker's Prometheus metrics, served on EDGEQ_METRICS_HOST:EDGEQ_METRICS_PORT.
+
+Two families share the page:
+
+- ``edgeq:*``, measured by the worker the way a producer experiences a job: from the moment
+  it was enqueued in Redis. Names follow vLLM's where the meaning is the same, with edgeq's
+  prefix because the clock starts earlier (vLLM's starts when the engine gets the request).
+- ``vllm:*``, the engine's own (KV-cache use, engine queue, per-step latencies), recorded by
+  vLLM's Prometheus stat logger in this process (the worker builds AsyncLLM with stats on).
+
+README's "Metrics" section lists every ``edgeq:*`` metric with a sample scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.exposition import start_http_server
+
+from producer.settings import ConfigError
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py) with finer low ends: a 0.6B model on a GPU
+# yields a token every few ms, and edgeq's pickup takes about one.
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+TOKEN_GAP_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_BUCKETS_S = (
+    0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+)  # fmt: skip
+
+
+class WorkerMetrics:
+    """What the chat job records as it runs; one per worker process."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.queue_time = Histogram(
+            "edgeq:request_queue_time_seconds",
+            "Time from enqueue in Redis to the worker starting the job.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "edgeq:time_to_first_token_seconds",
+            "Time from enqueue to the engine's first token of the answer.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "edgeq:inter_token_latency_seconds",
+            "Time between successive tokens of an answer (one observation per token after "
+            "the first; tokens that arrive together share the gap).",
+            buckets=TOKEN_GAP_BUCKETS_S,
+            registry=registry,
+        )
+        self.e2e_latency = Histogram(
+            "edgeq:e2e_request_latency_seconds",
+            "Time from enqueue to the done event, for jobs that ended with done.",
+            buckets=REQUEST_BUCKETS_S,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "edgeq:requests",
+            "Jobs this worker ended, by outcome: done, or the error code.",
+            ["outcome"],
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "edgeq:prompt_tokens", "Prompt tokens of the jobs started.", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "edgeq:generation_tokens", "Tokens generated.", registry=registry
+        )
+        self.running = Gauge(
+            "edgeq:num_requests_running", "Jobs this worker is running.", registry=registry
+        )
+        self.waiting = Gauge(
+            "edgeq:num_requests_waiting",
+            "Jobs waiting in the Redis queue for any worker (sampled every lease renewal).",
+            registry=registry,
+        )
+
+    def count_running(self, running: Callable[[], int]) -> None:
+        """Read the running count at scrape time, so it can never drift from the truth."""
+        self.running.set_function(running)
+
+    def job_started(self, *, queued_s: float, prompt_tokens: int) -> None:
+        self.queue_time.observe(queued_s)
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def tokens_arrived(self, count: int, *, gap_s: float | None, since_enqueue_s: float) -> None:
+        """``count`` new tokens; ``gap_s`` since the previous ones, None for the first."""
+        if count <= 0:
+            return
+        self.generation_tokens.inc(count)
+        if gap_s is None:
+            self.time_to_first_token.observe(since_enqueue_s)
+            gaps = [0.0] * (count - 1)  # the rest came with the first: no gap at all
+        else:
+            gaps = [gap_s / count] * count
+        for gap in gaps:
+            self.inter_token_latency.observe(gap)
+
+    def job_ended(self, outcome: str, *, e2e_s: float | None = None) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        if e2e_s is not None:
+            self.e2e_latency.observe(e2e_s)
+
+
+def serve_metrics(host: str, port: int) -> None:
+    """Serve the default registry from a daemon thread (prometheus_client's own server): a
+    scrape never waits on the worker's event loop, and never blocks it."""
+    disable_created_metrics()  # `*_created` series double the page and no dashboard reads them
+    try:
+        start_http_server(port, addr=host)
+    except OSError as error:
+        raise ConfigError(
+            f"EDGEQ_METRICS_PORT: cannot serve metrics on {host}:{port} ({error}); "
+            f"pick a free port per worker, or 0 to turn metrics off"
+        ) from None
