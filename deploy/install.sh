@@ -2,6 +2,9 @@
 # Install (or upgrade, roll back, uninstall) edgeq on this box from an unpacked `edgeq bundle`.
 #
 #   sudo ./install.sh                  install or upgrade; idempotent: a second run changes nothing
+#   sudo ./install.sh --with-gateway   ... and enable edgeq-gateway.service (the OpenAI-compatible
+#                                      HTTP API); remembered: later runs keep it enabled
+#   sudo ./install.sh --without-gateway          ... and disable it again
 #   sudo ./install.sh --rollback       switch back to the previous release
 #   sudo ./install.sh --uninstall      remove edgeq, keep /etc/edgeq and /var/lib/edgeq
 #   sudo ./install.sh --uninstall --purge        ... and those too, and the user
@@ -9,10 +12,13 @@
 #
 # Layout: /opt/edgeq/releases/<version> (a venv each), /opt/edgeq/current -> the live one,
 # /opt/edgeq/previous -> the one before (rollback); /etc/edgeq/edgeq.env (the operator's: never
-# overwritten); /var/lib/edgeq/models/<name>; units in /etc/systemd/system.
+# overwritten); /etc/edgeq/edgeq-<instance>.env (per worker instance: with several, each gets its
+# own EDGEQ_METRICS_PORT unless set there); /var/lib/edgeq/models/<name>; units in
+# /etc/systemd/system.
 #
 # Environment knobs: EDGEQ_PYTHON (default python3, must match the bundle's Python),
-# EDGEQ_READY_TIMEOUT_S (wait for READY=1, default 1200), EDGEQ_PIP_NO_COMPILE=1 (skip .pyc),
+# EDGEQ_READY_TIMEOUT_S (wait for READY=1, default 1200), EDGEQ_GATEWAY_READY_TIMEOUT_S (wait
+# for the gateway's GET /ready, default 120), EDGEQ_PIP_NO_COMPILE=1 (skip .pyc),
 # EDGEQ_INSTALL_SMOKE_CMD (with --no-systemd only: replaces the smoke test; for tests).
 set -eu
 
@@ -21,6 +27,7 @@ USE_SYSTEMD=1
 ACTION=install
 PURGE=0
 SMOKE=1
+GATEWAY=""  # 1 --with-gateway, 0 --without-gateway, empty: keep it as it is
 while [ $# -gt 0 ]; do
     case "$1" in
         --root) ROOT=${2:?--root needs a directory}; shift ;;
@@ -30,7 +37,9 @@ while [ $# -gt 0 ]; do
         --uninstall) ACTION=uninstall ;;
         --purge) PURGE=1 ;;
         --rollback) ACTION=rollback ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        --with-gateway) GATEWAY=1 ;;
+        --without-gateway) GATEWAY=0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -49,6 +58,8 @@ UNITDIR=$ROOT/etc/systemd/system
 SYSUSERS=$ROOT/usr/lib/sysusers.d/edgeq.conf
 PYTHON=${EDGEQ_PYTHON:-python3}
 READY_TIMEOUT_S=${EDGEQ_READY_TIMEOUT_S:-1200}
+GATEWAY_READY_TIMEOUT_S=${EDGEQ_GATEWAY_READY_TIMEOUT_S:-120}
+GATEWAY_UNIT=edgeq-gateway.service
 CHANGED=0
 
 say() { echo "edgeq install: $*"; }
@@ -75,15 +86,22 @@ enabled_instances() {
     done
 }
 
+gateway_enabled() { [ -L "$UNITDIR/edgeq.target.wants/$GATEWAY_UNIT" ]; }
+
+enabled_units() {  # the worker instances, and the gateway when it is enabled
+    enabled_instances
+    if gateway_enabled; then echo "$GATEWAY_UNIT"; fi
+}
+
 switch_current() {  # switch_current RELEASE-NAME: atomic, by rename(2) of a new symlink
     ln -sfn "releases/$1" "$OPT/current.new"
     mv -T "$OPT/current.new" "$OPT/current"
 }
 
-restart_workers() {
+restart_services() {  # the workers and the gateway run from current: restart after a switch
     systemd_live || return 0
     local units
-    units=$(enabled_instances)
+    units=$(enabled_units)
     [ -n "$units" ] || return 0
     # --no-block: a notify unit's start waits for READY=1, which can take minutes.
     # shellcheck disable=SC2086
@@ -98,20 +116,21 @@ if [ "$ACTION" = rollback ]; then
     [ -d "$OPT/releases/$prev" ] || die "the previous release $prev is gone"
     switch_current "$prev"
     ln -sfn "releases/$cur" "$OPT/previous"
-    restart_workers
+    restart_services
     say "rolled back from $cur to $prev"
     exit 0
 fi
 
 # --- uninstall ---------------------------------------------------------------------------------
 if [ "$ACTION" = uninstall ]; then
-    units=$(enabled_instances)
+    units=$(enabled_units)
     if systemd_live; then
         # shellcheck disable=SC2086
         systemctl disable --now edgeq.target $units >/dev/null 2>&1 || true
     fi
     rm -rf "$UNITDIR/edgeq.target.wants" "$UNITDIR/edgeq-worker@.service" \
-        "$UNITDIR/edgeq.target" "$UNITDIR/multi-user.target.wants/edgeq.target"
+        "$UNITDIR/edgeq-gateway.service" "$UNITDIR/edgeq.target" \
+        "$UNITDIR/multi-user.target.wants/edgeq.target"
     systemd_live && systemctl daemon-reload
     rm -rf "$OPT" "$CACHE"
     if [ -f "$ROOT/etc/redis/redis.conf" ] && [ "$PURGE" = 1 ]; then
@@ -299,6 +318,48 @@ for instance in $instances; do
         changed "enabled $instance"
     fi
 done
+# Several instances on one box: each its own metrics port, EDGEQ_METRICS_PORT of edgeq.env
+# (9400 by default) plus its position, in its own settings file (edgeq-%I.env, %I = "0" or
+# "0,1"); a port the operator set there is kept. A worker exits (78) when its port is taken.
+count=0
+for instance in $instances; do count=$((count + 1)); done
+if [ "$count" -gt 1 ]; then
+    base=$(sed -n "s/^[[:space:]]*EDGEQ_METRICS_PORT=[\"']\{0,1\}\([0-9]*\).*/\1/p" "$ENV_FILE" | tail -n 1)
+    base=${base:-9400}
+    if [ "$base" = 0 ]; then
+        say "EDGEQ_METRICS_PORT=0 in ${ENV_FILE#"$ROOT"}: metrics off, no per-instance ports"
+    else
+        k=0
+        for instance in $instances; do
+            devices=${instance#edgeq-worker@}
+            devices=${devices%.service}
+            file=$ETC/edgeq-${devices//\\x2c/,}.env
+            position=$k
+            k=$((k + 1))
+            if [ -f "$file" ] && grep -q '^[[:space:]]*EDGEQ_METRICS_PORT=' "$file"; then
+                continue  # the operator's (or an earlier run's) choice
+            fi
+            port=$((base + position))
+            if [ -s "$file" ] && [ -n "$(tail -c 1 "$file")" ]; then echo >>"$file"; fi
+            [ -f "$file" ] || install -m 0640 /dev/null "$file"
+            printf '# Written by install.sh: %s serves its metrics here (edgeq.env port + %d).\nEDGEQ_METRICS_PORT=%d\n' \
+                "$instance" "$position" "$port" >>"$file"
+            [ -n "$OWNER" ] && chgrp "$OWNER" "$file"
+            changed "EDGEQ_METRICS_PORT=$port for $instance in ${file#"$ROOT"}"
+        done
+    fi
+fi
+
+# The gateway: enabled only when asked for (--with-gateway), then kept enabled by later runs.
+GATEWAY_LINK=$UNITDIR/edgeq.target.wants/$GATEWAY_UNIT
+if [ "$GATEWAY" = 1 ] && [ "$(readlink "$GATEWAY_LINK" 2>/dev/null || true)" != "/etc/systemd/system/$GATEWAY_UNIT" ]; then
+    ln -sfn "/etc/systemd/system/$GATEWAY_UNIT" "$GATEWAY_LINK"
+    changed "enabled $GATEWAY_UNIT (the OpenAI-compatible HTTP API; --without-gateway disables it)"
+elif [ "$GATEWAY" = 0 ] && { [ -e "$GATEWAY_LINK" ] || [ -L "$GATEWAY_LINK" ]; }; then
+    if systemd_live; then systemctl disable --now "$GATEWAY_UNIT" >/dev/null 2>&1 || true; fi
+    rm -f "$GATEWAY_LINK"
+    changed "disabled $GATEWAY_UNIT"
+fi
 if [ "$(readlink "$UNITDIR/multi-user.target.wants/edgeq.target" 2>/dev/null || true)" != /etc/systemd/system/edgeq.target ]; then
     ln -sfn /etc/systemd/system/edgeq.target "$UNITDIR/multi-user.target.wants/edgeq.target"
     changed "enabled edgeq.target (starts at boot)"
@@ -331,16 +392,39 @@ rollback() {
     if [ "$SWITCHED" = 1 ] && [ "$previous" != none ] && [ -d "$OPT/releases/$previous" ]; then
         switch_current "$previous"
         if [ -n "$old_previous" ]; then ln -sfn "$old_previous" "$OPT/previous"; else rm -f "$OPT/previous"; fi
-        restart_workers
+        restart_services
         die "smoke test failed: $reason. Rolled back to $previous; $VERSION stays in ${OPT#"$ROOT"}/releases for inspection (a new run retries it)."
     fi
     die "smoke test failed: $reason. No earlier release to roll back to."
 }
 
+gateway_ready() {  # GET /ready of the gateway, where its settings make it listen
+    # shellcheck disable=SC1090,SC1091
+    (
+        set -a
+        . "$ENV_FILE"
+        if [ -f "$ETC/edgeq-gateway.env" ]; then . "$ETC/edgeq-gateway.env"; fi
+        set +a
+        "$OPT/current/bin/python" -c 'import os, sys, urllib.error, urllib.request
+host = os.environ.get("EDGEQ_GATEWAY_HOST") or "127.0.0.1"
+host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+url = "http://%s:%s/ready" % ("[%s]" % host if ":" in host else host,
+                             os.environ.get("EDGEQ_GATEWAY_PORT") or "8000")
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+try:
+    with opener.open(url, timeout=5) as response:
+        print(url, response.status, response.read().decode()[:200])
+except urllib.error.HTTPError as error:  # 503 until a warm worker heartbeats
+    sys.exit("%s %s %s" % (url, error.code, error.read().decode()[:200]))
+except OSError as error:
+    sys.exit("%s %s" % (url, error))'
+    )
+}
+
 if systemd_live; then
     systemctl daemon-reload
     systemctl enable edgeq.target >/dev/null
-    if [ "$SWITCHED" = 1 ] || [ "$UNITS_CHANGED" = 1 ]; then restart_workers; fi
+    if [ "$SWITCHED" = 1 ] || [ "$UNITS_CHANGED" = 1 ]; then restart_services; fi
     systemctl start --no-block edgeq.target
     if [ "$SMOKE" = 1 ]; then
         for instance in $instances; do
@@ -364,6 +448,20 @@ if systemd_live; then
             rollback "edgeq chat: $out"
         fi
         say "smoke test passed: $out"
+        if gateway_enabled; then
+            say "waiting for $GATEWAY_UNIT to be ready (GET /ready, up to ${GATEWAY_READY_TIMEOUT_S} s)"
+            waited=0
+            while ! out=$(gateway_ready 2>&1); do
+                state=$(systemctl show -p ActiveState --value "$GATEWAY_UNIT")
+                if [ "$state" = failed ] || [ "$waited" -ge "$GATEWAY_READY_TIMEOUT_S" ]; then
+                    journalctl -u "$GATEWAY_UNIT" -n 30 --no-pager >&2 || true
+                    rollback "$GATEWAY_UNIT is $state, not ready after ${waited} s: $out (journalctl -u $GATEWAY_UNIT)"
+                fi
+                sleep 2
+                waited=$((waited + 2))
+            done
+            say "gateway ready: $out"
+        fi
     fi
 else
     [ "$USE_SYSTEMD" = 1 ] && say "systemd is not running here: units installed and enabled, not started"
@@ -372,7 +470,7 @@ else
             smoke=$EDGEQ_INSTALL_SMOKE_CMD
         else
             # Without systemd no worker runs: check that the release imports its engine.
-            smoke='"$EDGEQ_CURRENT/bin/python" -c "import vllm, worker.engine, worker.notify" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
+            smoke='"$EDGEQ_CURRENT/bin/python" -c "import vllm, worker.engine, worker.notify, gateway.app" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
         fi
         say "smoke test (no systemd): $smoke"
         if ! out=$(EDGEQ_CURRENT=$OPT/current sh -c "$smoke" 2>&1); then
@@ -391,4 +489,5 @@ for release in "$OPT"/releases/*; do
 done
 say "edgeq $VERSION installed ($CHANGED change(s)); previous release: $previous"
 systemd_live && say "status: systemctl status 'edgeq-worker@*'   logs: journalctl -u 'edgeq-worker@*' -f"
+systemd_live && gateway_enabled && say "gateway: systemctl status $GATEWAY_UNIT   logs: journalctl -u $GATEWAY_UNIT -f"
 exit 0

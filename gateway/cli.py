@@ -45,6 +45,16 @@ def run_gateway_command(*, env_file: Path | None) -> int:
             lifespan="on",
         )
     )
-    server.run()
-    # uvicorn returns (instead of raising) when it cannot bind or the lifespan fails.
-    return EXIT_OK if server.started else EXIT_UNAVAILABLE
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's way of saying it could not start (it logged why)
+        if server.started:
+            raise
+    if not server.started:
+        print(
+            f"edgeq gateway: could not start on {settings.gateway_host}:{settings.gateway_port} "
+            f"(see the log above; EDGEQ_GATEWAY_HOST, EDGEQ_GATEWAY_PORT)",
+            file=sys.stderr,
+        )
+        return EXIT_UNAVAILABLE
+    return EXIT_OK

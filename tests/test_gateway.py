@@ -5,7 +5,10 @@ ChatOpenAI (the seed's own code), against a real gateway process in front of the
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import FIGURES, FULL_LENGTH_SEEDS
+from helpers import EDGEQ, FIGURES, FULL_LENGTH_SEEDS
 from producer.client import ChatClient
 from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from producer.streams import StreamClosed
@@ -376,3 +379,17 @@ async def test_sigterm_lets_an_open_stream_finish_then_the_gateway_exits(
     finally:
         gateway.stop()
         await unserved_client.redis.zrem(UNSERVED_QUEUE, job_id)
+
+
+def test_a_port_already_taken_is_a_clear_error_with_exit_69(redis_server: RedisServer) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "EDGEQ_REDIS_URL": redis_server.url, "EDGEQ_GATEWAY_PORT": str(port)}
+        ran = subprocess.run(
+            [*EDGEQ, "gateway"], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert ran.returncode == 69
+    assert f"could not start on 127.0.0.1:{port}" in ran.stderr
+    assert "EDGEQ_GATEWAY_PORT" in ran.stderr

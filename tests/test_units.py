@@ -50,7 +50,11 @@ def analyze(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_units_are_what_the_installer_expects() -> None:
-    assert sorted(p.name for p in UNITS.iterdir()) == ["edgeq-worker@.service", "edgeq.target"]
+    assert sorted(p.name for p in UNITS.iterdir()) == [
+        "edgeq-gateway.service",
+        "edgeq-worker@.service",
+        "edgeq.target",
+    ]
 
 
 def test_systemd_analyze_verify_says_nothing(unit_dir: Path) -> None:

