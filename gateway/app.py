@@ -283,19 +283,19 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         try:
             first = await until_disconnected(request, anext(events))
             if isinstance(first, ErrorEvent):
-                raise job_error(first.code, first.message)
+                raise JobFailed(job.job_id, first.code, first.message)
             if not body.stream:
                 result = await until_disconnected(request, _rest_of_answer(job, events))
         except ClientGone:
             await _cancel(job, "the HTTP client disconnected")
             bound.info("gateway_client_gone", waited_ms=_ms_since(started))
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except ApiError as error:
-            bound.info("gateway_job_failed", status=error.status, code=error.body["error"]["code"])
-            error.headers = {**(error.headers or {}), **headers}
-            raise
         except JobFailed as error:
-            raise client_error(error) from None
+            await job.aclose()  # the stream has ended; stop listening now, not at GC
+            failure = client_error(error)
+            failure.headers = headers
+            bound.info("gateway_job_failed", status=failure.status, code=error.code)
+            raise failure from None
         except EdgeqError as error:
             await _cancel(job, f"the gateway lost the job's stream: {error}")
             raise client_error(error) from None
@@ -377,6 +377,8 @@ async def _sse_chunks(
                 unfinished_because = SHUTDOWN_REASON
             await _cancel(job, unfinished_because)
             bound.info("gateway_job_unfinished", reason=unfinished_because)
+        with anyio.CancelScope(shield=True):
+            await job.aclose()  # its pub/sub connection goes back now, not at GC
     yield ServerSentEvent(data="[DONE]")
 
 

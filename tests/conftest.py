@@ -66,6 +66,6 @@ def cli_env(worker: WorkerProcess) -> dict[str, str]:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if FIGURES:
-        terminalreporter.section("measured by the chaos tests")
+        terminalreporter.section("figures measured by the tests")
         for name, value in FIGURES.items():
             terminalreporter.write_line(f"{name}: {value}")

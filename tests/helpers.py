@@ -28,7 +28,7 @@ TERMINAL_TYPES = {"done", "error"}
 # On the near-uniform tiny model the seed, not the prompt, decides when <|im_end|> is drawn;
 # these seeds run 300 tokens without it (seen on this machine type).
 FULL_LENGTH_SEEDS = (8, 10, 12)
-# Figures measured by the chaos tests, printed at the end of the run.
+# Figures measured by the tests (chaos, gateway), printed at the end of the run.
 FIGURES: dict[str, object] = {}
 
 

@@ -190,6 +190,21 @@ async def test_a_bad_request_is_a_400_that_names_the_field(
     assert named in refused.value.message
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_job_the_worker_refuses_is_a_400_even_when_streaming(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess, stream: bool
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.chat.completions.create(
+            model=worker.env["EDGEQ_MODEL"],
+            messages=[{"role": "user", "content": "x" * 5000}],  # past the 512-token context
+            stream=stream,
+        )
+    assert refused.value.code == "prompt_too_long"
+    assert "EDGEQ_MAX_MODEL_LEN" in refused.value.message
+    assert refused.value.response.headers["x-edgeq-job-id"]
+
+
 async def test_an_unknown_model_is_a_404_and_models_lists_the_served_one(
     sdk: openai.AsyncOpenAI, worker: WorkerProcess
 ) -> None:
