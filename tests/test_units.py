@@ -11,13 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers import FIGURES
+
 UNITS = Path(__file__).resolve().parents[1] / "systemd"
 WORKER = "edgeq-worker@.service"
+GATEWAY_UNIT = "edgeq-gateway.service"
 EXEC = "/opt/edgeq/current/bin/edgeq"
 MAX_EXPOSURE = 2.5
+# The gateway needs no devices and no JIT: it can be locked down further than the worker.
+MAX_GATEWAY_EXPOSURE = 2.0
 # One per GPU, the CPU box's, and one spanning two GPUs (tensor parallel: "0,1", escaped).
 INSTANCES = ["edgeq-worker@0.service", "edgeq-worker@cpu.service", r"edgeq-worker@0\x2c1.service"]
-
 
 
 @pytest.fixture
@@ -32,7 +36,7 @@ def unit_dir(tmp_path: Path) -> Path:
     units.mkdir()
     for unit in UNITS.iterdir():
         text = unit.read_text()
-        if unit.name == WORKER:
+        if unit.name.endswith(".service"):
             assert text.count(f"ExecStart={EXEC} ") == 1
             text = text.replace(f"ExecStart={EXEC} ", f"ExecStart={stub} ")
         (units / unit.name).write_text(text)
@@ -95,3 +99,40 @@ def test_worker_unit_keeps_the_gpu_and_the_drain() -> None:
     stop_s = int(values("TimeoutStopSec")[0].rstrip("s"))
     assert stop_s > 30 + 60  # EDGEQ_DRAIN_TIMEOUT_S's default plus engine shutdown
     assert values("EnvironmentFile") == ["/etc/edgeq/edgeq.env", "-/etc/edgeq/edgeq-%I.env"]
+
+
+def test_gateway_unit_passes_systemd_analyze_verify(unit_dir: Path) -> None:
+    names = ["./edgeq.target", f"./{GATEWAY_UNIT}", f"./{WORKER}", "./edgeq-worker@0.service"]
+    (unit_dir / "edgeq-worker@0.service").write_text((unit_dir / WORKER).read_text())
+    result = analyze("verify", "--man=no", *names, cwd=unit_dir)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 0 and output == "", output
+
+
+def test_gateway_unit_security_exposure(unit_dir: Path) -> None:
+    result = analyze("security", "--offline=true", f"./{GATEWAY_UNIT}", cwd=unit_dir)
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+) (\w+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    score = float(match.group(1))
+    print(f"systemd-analyze security: {GATEWAY_UNIT} exposure {score} {match.group(2)}")
+    FIGURES[f"systemd-analyze security {GATEWAY_UNIT}"] = f"{score} {match.group(2)}"
+    assert score <= MAX_GATEWAY_EXPOSURE, result.stdout
+
+
+def test_gateway_unit_settings() -> None:
+    settings = re.findall(r"(?m)^(\w+)=(.*)$", (UNITS / GATEWAY_UNIT).read_text())
+
+    def values(key: str) -> list[str]:
+        return [value for k, value in settings if k == key]
+
+    assert values("ExecStart") == ["/opt/edgeq/current/bin/edgeq gateway"]
+    assert values("User") == ["edgeq"] and values("Type") == ["exec"]
+    assert values("EnvironmentFile") == ["/etc/edgeq/edgeq.env", "-/etc/edgeq/edgeq-gateway.env"]
+    assert values("Restart") == ["on-failure"] and values("RestartPreventExitStatus") == ["78"]
+    assert values("StartLimitBurst") and values("StartLimitIntervalSec")
+    assert values("PartOf") == ["edgeq.target"] and values("WantedBy") == ["edgeq.target"]
+    assert "redis-server.service" in values("Wants")[0] and not values("Requires")
+    assert values("KillSignal") == ["SIGTERM"]
+    assert int(values("TimeoutStopSec")[0].rstrip("s")) > 30  # EDGEQ_GATEWAY_SHUTDOWN_TIMEOUT_S
+    assert values("PrivateDevices") == ["yes"]
+    assert values("RestrictAddressFamilies") == ["AF_UNIX AF_INET AF_INET6"]
