@@ -408,3 +408,32 @@ def test_a_port_already_taken_is_a_clear_error_with_exit_69(redis_server: RedisS
     assert ran.returncode == 69
     assert f"could not start on 127.0.0.1:{port}" in ran.stderr
     assert "EDGEQ_GATEWAY_PORT" in ran.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_return_reasoning_comes_back_as_reasoning_content(
+    sdk: openai.AsyncOpenAI, client: ChatClient, worker: WorkerProcess, stream: bool
+) -> None:
+    fields = {"max_tokens": 48, "temperature": 1.0, "seed": 3, "enable_thinking": True}
+    direct = await client.chat("Think hard.", return_reasoning=True, **fields)
+    request = {
+        "model": worker.env["EDGEQ_MODEL"],
+        "messages": [{"role": "user", "content": "Think hard."}],
+        "max_tokens": 48,
+        "temperature": 1.0,
+        "seed": 3,
+        "extra_body": {"enable_thinking": True, "return_reasoning": True},
+    }
+    if stream:
+        chunks = [c async for c in await sdk.chat.completions.create(stream=True, **request)]
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        text = "".join(delta.content or "" for delta in deltas)
+        reasoning = [(delta.model_extra or {}).get("reasoning_content") for delta in deltas]
+        assert [r for r in reasoning if r is not None] == [direct.reasoning]
+    else:
+        completion = await sdk.chat.completions.create(**request)
+        message = completion.choices[0].message
+        text = message.content or ""
+        assert (message.model_extra or {}).get("reasoning_content") == direct.reasoning
+    assert direct.reasoning is not None
+    assert text == direct.text
