@@ -3,9 +3,12 @@
 
     .venv/bin/python scripts/measure_gateway.py [--chats 100] [--concurrent 32] [--samples]
 
-Starts its own Redis, one worker on the tiny model and one gateway. Sequential chats alternate
-between the two paths, so machine noise falls on both alike; then a burst of `--concurrent`
-chats goes through each path. TTFT is measured at the caller: submit → first text.
+Starts its own Redis, one worker on the tiny model and two gateways. Sequential chats go
+through the two paths in alternating blocks, so machine noise falls on both alike; then a
+burst of `--concurrent` chats goes through each path. TTFT is measured at the caller: submit →
+first text. Then, with the engine idle, the delivery cost alone: this script appends events to
+a job's stream itself (as a worker would) and times append → event in hand, through ChatClient
+and through the second gateway, whose queue no worker serves.
 `--samples` also prints a metrics scrape and `edgeq status` for the README.
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -24,13 +27,17 @@ from pathlib import Path
 import httpx
 import openai
 
-from producer.client import ChatClient
-from producer.protocol import DeltaEvent
+from producer.client import ChatClient, ChatJob
+from producer.protocol import DeltaEvent, DoneEvent, Timings, Usage
+from producer.streams import StreamClosed
 from worker.localrun import GatewayProcess, RedisServer, WorkerProcess
 from worker.tiny_model import make_tiny_model
 
 MAX_TOKENS = 32
 SEED = 8  # the tiny model runs MAX_TOKENS tokens without an end-of-turn on this seed
+
+DELIVERY_QUEUE = "edgeq:measure-delivery"
+DELIVERY_EVENTS = 20  # per stream
 
 Timed = tuple[float, float]  # TTFT ms, end-to-end ms
 
@@ -63,16 +70,111 @@ async def through_gateway(sdk: openai.AsyncOpenAI, model: str, prompt: str) -> T
     return ((first or ended) - started) * 1000, (ended - started) * 1000
 
 
+async def queued_jobs(client: ChatClient, count: int = 1) -> list[str]:
+    while True:  # polling Redis: the gateway's enqueue sends no event this script could await
+        ids = await client.redis.zrange(DELIVERY_QUEUE, 0, -1)
+        if len(ids) >= count:
+            return [raw.decode() for raw in ids]
+        await asyncio.sleep(0.001)
+
+
+async def finish(client: ChatClient, job_id: str) -> None:
+    usage = Usage(prompt_tokens=1, completion_tokens=DELIVERY_EVENTS)
+    timings = Timings(queued_ms=0, ttft_ms=0, total_ms=0)
+    done = DoneEvent(job_id=job_id, seq=0, finish_reason="stop", usage=usage, timings=timings)
+    with contextlib.suppress(StreamClosed):  # the gateway cancelled it: its client left
+        await client.events.append(done)
+    await client.redis.zrem(DELIVERY_QUEUE, job_id)
+
+
+async def delivery_ms(client: ChatClient, sdk: openai.AsyncOpenAI, model: str, streams: int):
+    """Append → event in hand, in ms: through ChatClient, and through the gateway."""
+    direct: list[float] = []
+    gateway: list[float] = []
+    for _ in range(streams):
+        job = await client.submit("delivery")
+        events = job.stream()
+        for n in range(DELIVERY_EVENTS):
+            started = time.perf_counter()
+            await client.events.append(DeltaEvent(job_id=job.job_id, seq=0, text=f"{n} "))
+            await anext(events)
+            direct.append((time.perf_counter() - started) * 1000)
+        await finish(client, job.job_id)
+        await job.aclose()
+
+        request = asyncio.create_task(
+            sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "delivery"}], stream=True
+            )
+        )
+        (job_id,) = await queued_jobs(client)
+        await client.events.append(DeltaEvent(job_id=job_id, seq=0, text="first"))
+        stream = await request
+        chunks = aiter(stream)
+        while (await anext(chunks)).choices[0].delta.content != "first":
+            pass
+        for n in range(DELIVERY_EVENTS):
+            started = time.perf_counter()
+            await client.events.append(DeltaEvent(job_id=job_id, seq=0, text=f"{n} "))
+            await anext(chunks)
+            gateway.append((time.perf_counter() - started) * 1000)
+        await finish(client, job_id)
+        await stream.close()
+    return direct, gateway
+
+
+async def delivery_burst_ms(
+    client: ChatClient, sdk: openai.AsyncOpenAI, model: str, count: int
+) -> tuple[list[float], list[float]]:
+    """``count`` streams open at once; one event appended to each, in a row: append of the
+    first → each stream's first event in hand, in ms, through ChatClient and the gateway."""
+
+    async def first_event_via_client(job: ChatJob) -> float:
+        await anext(job.stream())
+        await job.aclose()
+        return time.perf_counter()
+
+    async def first_event_via_gateway(n: int) -> float:
+        stream = await sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"burst {n}"}], stream=True
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        arrived = time.perf_counter()
+        await stream.close()
+        return arrived
+
+    results = []
+    for via_gateway in (False, True):
+        if via_gateway:
+            waiting = [asyncio.create_task(first_event_via_gateway(n)) for n in range(count)]
+        else:
+            jobs = [await client.submit(f"burst {n}") for n in range(count)]
+            waiting = [asyncio.create_task(first_event_via_client(job)) for job in jobs]
+        ids = await queued_jobs(client, count)
+        await asyncio.sleep(0.2)  # every stream is listening
+        started = time.perf_counter()
+        for job_id in ids:
+            await client.events.append(DeltaEvent(job_id=job_id, seq=0, text="hi"))
+        arrivals = await asyncio.gather(*waiting)
+        results.append([(arrived - started) * 1000 for arrived in arrivals])
+        for job_id in ids:
+            await finish(client, job_id)
+    return results[0], results[1]
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def summary(name: str, timed: list[Timed]) -> str:
-    ttft = sorted(t for t, _ in timed)
-    e2e = sorted(e for _, e in timed)
-
-    def p(values: list[float], q: float) -> float:
-        return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
+    ttft = [t for t, _ in timed]
+    e2e = [e for _, e in timed]
     return (
-        f"| {name} | {len(timed)} | {statistics.median(ttft):.2f} | {p(ttft, 0.9):.2f} | "
-        f"{p(ttft, 0.99):.2f} | {statistics.median(e2e):.2f} | {p(e2e, 0.99):.2f} |"
+        f"| {name} | {len(timed)} | {p(ttft, 0.5):.2f} | {p(ttft, 0.9):.2f} | "
+        f"{p(ttft, 0.99):.2f} | {p(e2e, 0.5):.2f} | {p(e2e, 0.99):.2f} |"
     )
 
 
@@ -80,7 +182,9 @@ async def burst(make: Callable[[int], Awaitable[Timed]], count: int) -> list[Tim
     return list(await asyncio.gather(*(make(n) for n in range(count))))
 
 
-async def measure(args: argparse.Namespace, worker: WorkerProcess, base_url: str) -> None:
+async def measure(
+    args: argparse.Namespace, worker: WorkerProcess, base_url: str, delivery_url: str
+) -> None:
     model = worker.env["EDGEQ_MODEL"]
     url, queue = worker.env["EDGEQ_REDIS_URL"], worker.env["EDGEQ_QUEUE"]
     limits = httpx.Limits(max_keepalive_connections=100, max_connections=200)
@@ -95,9 +199,13 @@ async def measure(args: argparse.Namespace, worker: WorkerProcess, base_url: str
             await through_gateway(sdk, model, f"warm {n}")
         direct: list[Timed] = []
         gateway: list[Timed] = []
-        for n in range(args.chats):
-            direct.append(await through_client(client, f"question {n}"))
-            gateway.append(await through_gateway(sdk, model, f"question {n}"))
+        # Blocks of ten, alternating: machine noise falls on both paths alike, and a path's
+        # after-effects (a busy CPU) do not land on the other's first chats.
+        for block in range(0, args.chats, 10):
+            for n in range(block, min(block + 10, args.chats)):
+                direct.append(await through_client(client, f"question {n}"))
+            for n in range(block, min(block + 10, args.chats)):
+                gateway.append(await through_gateway(sdk, model, f"question {n}"))
         direct_burst = await burst(lambda n: through_client(client, f"burst {n}"), args.concurrent)
         gateway_burst = await burst(
             lambda n: through_gateway(sdk, model, f"burst {n}"), args.concurrent
@@ -108,8 +216,24 @@ async def measure(args: argparse.Namespace, worker: WorkerProcess, base_url: str
     print(summary("gateway (OpenAI SDK, stream), one at a time", gateway))
     print(summary(f"ChatClient, {args.concurrent} at once", direct_burst))
     print(summary(f"gateway, {args.concurrent} at once", gateway_burst))
-    added = statistics.median(g for g, _ in gateway) - statistics.median(d for d, _ in direct)
+    added = p([g for g, _ in gateway], 0.5) - p([d for d, _ in direct], 0.5)
     print(f"\ngateway's added TTFT, one at a time (p50 difference): {added:.2f} ms")
+
+    async with (
+        ChatClient(redis_url=url, queue=DELIVERY_QUEUE) as client,
+        openai.AsyncOpenAI(base_url=delivery_url, api_key="EMPTY") as sdk,
+    ):
+        direct_ms, gateway_ms = await delivery_ms(client, sdk, model, streams=10)
+        burst_direct, burst_gateway = await delivery_burst_ms(client, sdk, model, args.concurrent)
+    print("\n| delivery, engine idle | events | append → event p50 ms | p90 | p99 |")
+    print("|---|---|---|---|---|")
+    for name, ms in (
+        ("ChatClient, one stream", direct_ms),
+        ("gateway (OpenAI SDK), one stream", gateway_ms),
+        (f"ChatClient, {args.concurrent} streams at once", burst_direct),
+        (f"gateway (OpenAI SDK), {args.concurrent} streams at once", burst_gateway),
+    ):
+        print(f"| {name} | {len(ms)} | {p(ms, 0.5):.2f} | {p(ms, 0.9):.2f} | {p(ms, 0.99):.2f} |")
 
 
 def main() -> int:
@@ -130,11 +254,13 @@ def main() -> int:
         "HF_HUB_OFFLINE": "1",
     }
     worker = WorkerProcess(env, scratch / "worker.log").start()
-    gateway = None
+    gateways: list[GatewayProcess] = []
     try:
         worker.wait_ready()
-        gateway = GatewayProcess(env, scratch / "gateway.log").start()
-        asyncio.run(measure(args, worker, gateway.base_url))
+        gateways.append(GatewayProcess(env, scratch / "gateway.log").start())
+        delivery_env = {**env, "EDGEQ_QUEUE": DELIVERY_QUEUE}
+        gateways.append(GatewayProcess(delivery_env, scratch / "delivery.log").start())
+        asyncio.run(measure(args, worker, gateways[0].base_url, gateways[1].base_url))
         if args.samples:
             page = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics").text
             wanted = ("edgeq:", "vllm:kv_cache_usage_perc")
@@ -142,7 +268,7 @@ def main() -> int:
             status = [sys.executable, "-m", "producer.cli", "status"]
             print(subprocess.run(status, env=env, capture_output=True, text=True).stdout)
     finally:
-        if gateway is not None:
+        for gateway in gateways:
             gateway.stop()
         worker.stop()
         redis_server.stop()
