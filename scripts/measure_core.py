@@ -24,7 +24,7 @@ from pathlib import Path
 
 from producer.client import ChatClient
 from producer.protocol import ChatRequest, DeltaEvent, DoneEvent
-from worker.localrun import RedisServer, WorkerProcess
+from worker.localrun import RedisServer, WorkerProcess, tiny_model_env
 from worker.tiny_model import make_tiny_model
 
 SINGLE_CHATS = 20
@@ -34,13 +34,7 @@ FULL_LENGTH_SEED = 8
 
 
 def engine_env(model: str, redis_url: str) -> dict[str, str]:
-    return {
-        "EDGEQ_MODEL": model,
-        "EDGEQ_REDIS_URL": redis_url,
-        "EDGEQ_CPU_KV_CACHE_GIB": "1",
-        "EDGEQ_QUEUE": "edgeq:measure",
-        "HF_HUB_OFFLINE": "1",
-    }
+    return tiny_model_env(model, redis_url, "edgeq:measure")
 
 
 def request(index: int, tokens: int) -> ChatRequest:

@@ -30,7 +30,7 @@ import openai
 from producer.client import ChatClient, ChatJob
 from producer.protocol import DeltaEvent, DoneEvent, Timings, Usage
 from producer.streams import StreamClosed
-from worker.localrun import GatewayProcess, RedisServer, WorkerProcess
+from worker.localrun import GatewayProcess, RedisServer, WorkerProcess, tiny_model_env
 from worker.tiny_model import make_tiny_model
 
 MAX_TOKENS = 32
@@ -245,14 +245,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="edgeq-gateway-"))
     model = make_tiny_model(scratch / "model").directory
     redis_server = RedisServer().start()
-    env = {
-        "EDGEQ_REDIS_URL": redis_server.url,
-        "EDGEQ_QUEUE": "edgeq:measure",
-        "EDGEQ_MODEL": str(model),
-        "EDGEQ_MAX_MODEL_LEN": "512",
-        "EDGEQ_CPU_KV_CACHE_GIB": "1",
-        "HF_HUB_OFFLINE": "1",
-    }
+    env = tiny_model_env(model, redis_server.url, "edgeq:measure") | {"EDGEQ_MAX_MODEL_LEN": "512"}
     worker = WorkerProcess(env, scratch / "worker.log").start()
     gateways: list[GatewayProcess] = []
     try:

@@ -22,9 +22,10 @@ from pathlib import Path
 from producer.client import ChatClient
 from producer.protocol import DeltaEvent
 from producer.streams import EventLog
-from worker.localrun import RedisServer, WorkerProcess
+from worker.localrun import RedisServer, WorkerProcess, tiny_model_env
 from worker.tiny_model import make_tiny_model
 
+QUEUE = "edgeq:pickup"
 IN_FLIGHT = (0, 64, 256)
 HOLD_TOKENS = 480  # long enough that the in-flight chats outlast the probes
 IDLE_SAMPLE_S = 10.0
@@ -72,7 +73,7 @@ async def measure_pickup(client: ChatClient, probes: int) -> dict[int, list[floa
 
 
 async def measure_publish(redis_url: str, *, unbatched: bool) -> float:
-    async with ChatClient(redis_url=redis_url) as client:
+    async with ChatClient(redis_url=redis_url, queue=QUEUE) as client:
         log = EventLog(client.redis, replay_ttl_s=60, batched=not unbatched)
 
         async def publisher(index: int) -> None:
@@ -92,15 +93,11 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="edgeq-pickup-"))
     model = make_tiny_model(scratch / "tiny-model").directory
     redis_server = RedisServer().start()
-    env = {
-        "EDGEQ_MODEL": str(model),
-        "EDGEQ_REDIS_URL": redis_server.url,
-        "EDGEQ_CPU_KV_CACHE_GIB": "1",
+    env = tiny_model_env(model, redis_server.url, QUEUE) | {
         "EDGEQ_MAX_MODEL_LEN": "512",
         "EDGEQ_MAX_NUM_SEQS": "300",
         "EDGEQ_MAX_QUEUE": "0",
         "EDGEQ_ABANDON_AFTER_S": "0",
-        "HF_HUB_OFFLINE": "1",
     }
     if args.before:
         env["EDGEQ_FAST_PICKUP"] = "false"
@@ -113,7 +110,7 @@ def main() -> int:
         idle_pct = (cpu_seconds(worker.process.pid) - before) / IDLE_SAMPLE_S * 100
 
         async def pickup() -> dict[int, list[float]]:
-            async with ChatClient(redis_url=redis_server.url, max_queue=0) as client:
+            async with ChatClient(redis_url=redis_server.url, queue=QUEUE, max_queue=0) as client:
                 return await measure_pickup(client, args.probes)
 
         figures = asyncio.run(pickup())

@@ -17,7 +17,7 @@ import redis
 from redis.asyncio import Redis
 
 from producer.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent, stream_channel
-from worker.localrun import free_port, wait_for_port
+from worker.localrun import free_port, tiny_model_env, wait_for_port
 
 # The tiny model's context in tests, kept short so "prompt too long" is cheap to provoke.
 TEST_MAX_MODEL_LEN = 512
@@ -34,14 +34,9 @@ FIGURES: dict[str, object] = {}
 
 def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:
     """Settings for a worker on the tiny model, sized for a 2-core test machine."""
-    return {
-        "EDGEQ_REDIS_URL": redis_url,
-        "EDGEQ_QUEUE": queue,
-        "EDGEQ_MODEL": str(model),
+    return tiny_model_env(model, redis_url, queue) | {
         "EDGEQ_MAX_MODEL_LEN": str(TEST_MAX_MODEL_LEN),
         "EDGEQ_MAX_NUM_BATCHED_TOKENS": str(TEST_MAX_NUM_BATCHED_TOKENS),
-        "EDGEQ_CPU_KV_CACHE_GIB": "1",
-        "HF_HUB_OFFLINE": "1",
     }
 
 

@@ -32,6 +32,45 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def tiny_model_env(model: Path | str, redis_url: str, queue: str) -> dict[str, str]:
+    """Settings for a local worker on a model directory, sized for a small CPU machine: the
+    KV cache takes 1 GiB of RAM instead of EDGEQ_CPU_KV_CACHE_GIB's 4, and nothing is fetched
+    from the Hub."""
+    return {
+        "EDGEQ_MODEL": str(model),
+        "EDGEQ_REDIS_URL": redis_url,
+        "EDGEQ_QUEUE": queue,
+        "EDGEQ_CPU_KV_CACHE_GIB": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def spawn_edgeq(command: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``edgeq COMMAND`` as a child with stdout and stderr in ``log_path``, in a session of its
+    own: a signal for the caller (Ctrl-C in a test run) is not one for the child."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "producer.cli", command],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def stop_process(process: subprocess.Popen[bytes], sig: signal.Signals) -> int:
+    """Signal the process, wait STOP_TIMEOUT_S for it, then kill it; its exit status."""
+    if process.poll() is None:
+        process.send_signal(sig)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 def wait_for_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -100,22 +139,13 @@ class WorkerProcess:
     metrics_port: int | None = None
 
     def start(self) -> WorkerProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
         # Several local workers (tests, bench --compare) must not fight over one port.
         env.setdefault("EDGEQ_METRICS_PORT", str(free_port()))
         self.metrics_port = int(env["EDGEQ_METRICS_PORT"]) or None
         if env.get("EDGEQ_LOG_LEVEL", "info").lower() not in READY_LOG_LEVELS:
             env["EDGEQ_LOG_LEVEL"] = "info"  # the ready event is an info line
-        log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", "worker"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a signal for the test runner is not one for the worker
-        )
-        log.close()
+        self.process = spawn_edgeq("worker", env, self.log_path)
         return self
 
     def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> dict[str, object]:
@@ -160,19 +190,13 @@ class WorkerProcess:
         """Signal the worker and wait for it (and vLLM's child processes) to exit."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        returncode = stop_process(self.process, sig)
         # vLLM's engine processes share the worker's session; none may outlive it.
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return self.process.returncode
+        return returncode
 
 
 @dataclass
@@ -189,21 +213,13 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float = 60.0) -> GatewayProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
             **self.env,
             "EDGEQ_GATEWAY_HOST": "127.0.0.1",
             "EDGEQ_GATEWAY_PORT": str(self.port),
         }
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "producer.cli", "gateway"],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.process = spawn_edgeq("gateway", env, self.log_path)
         try:
             wait_for_port(self.port, timeout_s)
         except TimeoutError:
@@ -212,13 +228,4 @@ class GatewayProcess:
         return self
 
     def stop(self) -> int | None:
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return None if self.process is None else stop_process(self.process, signal.SIGTERM)
