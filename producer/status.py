@@ -37,10 +37,9 @@ async def read_status(redis: Redis, settings: ConnectionSettings) -> QueueStatus
         depth=await queue_depth(redis, settings.queue),
         capacity=sum(worker.max_jobs for worker in workers if worker.state == "ready"),
         workers=workers,
-        outcomes={
-            name: await recent_outcomes(redis, settings.queue, window_s=window_s, now_s=now_s)
-            for name, window_s in OUTCOME_WINDOWS_S.items()
-        },
+        outcomes=await recent_outcomes(
+            redis, settings.queue, windows_s=OUTCOME_WINDOWS_S, now_s=now_s
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ValidationError
@@ -83,21 +84,24 @@ async def live_workers(redis: Redis, queue: str) -> list[WorkerInfo]:
 
 
 async def recent_outcomes(
-    redis: Redis, queue: str, *, window_s: float, now_s: float | None = None
-) -> dict[str, int]:
-    """How many jobs ended with each outcome (``done`` or an error code) in the last
-    ``window_s`` seconds, to the minute."""
+    redis: Redis, queue: str, *, windows_s: Mapping[str, float], now_s: float | None = None
+) -> dict[str, dict[str, int]]:
+    """For each named window, how many jobs ended with each outcome (``done`` or an error
+    code) in its last seconds, to the minute. The minute tallies are read once, for the
+    longest window; the shorter ones are sums of its newest minutes."""
     now_s = time.time() if now_s is None else now_s
-    buckets = max(1, int(window_s // OUTCOME_BUCKET_S))
+    minutes = {name: max(1, int(window // OUTCOME_BUCKET_S)) for name, window in windows_s.items()}
     async with redis.pipeline(transaction=False) as pipe:
-        for back in range(buckets):
+        for back in range(max(minutes.values(), default=0)):
             pipe.hgetall(outcomes_key(queue, now_s - back * OUTCOME_BUCKET_S))
-        replies = await pipe.execute()
-    totals: Counter[str] = Counter()
-    for reply in replies:
-        for outcome, count in reply.items():
-            totals[outcome.decode()] += int(count)
-    return dict(totals.most_common())
+        newest_first = await pipe.execute()
+    totals = {}
+    for name, count in minutes.items():
+        window: Counter[str] = Counter()
+        for tally in newest_first[:count]:
+            window.update({outcome.decode(): int(jobs) for outcome, jobs in tally.items()})
+        totals[name] = dict(window.most_common())
+    return totals
 
 
 class QueueDepth(BaseModel):
