@@ -85,6 +85,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
     running: set[str] = ctx["running"]
     running.add(job_id)
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
+    e2e_s: float | None = None  # for jobs that end with done
     try:
         # Leased at once, so a worker killed from here on is noticed (README, "Guarantees").
         await renew_leases(
@@ -94,8 +95,8 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             result = await run_chat(
                 ctx["engine"], settings, metrics, publisher, payload, enqueued_s
             )
-        outcome = "done"
-        metrics.job_ended(outcome, e2e_s=time.time() - enqueued_s)
+        # The same clock reading as the done event's total_ms: metric and event agree.
+        outcome, e2e_s = "done", result.timings.total_ms / 1000
         return result.model_dump(mode="json", exclude_none=True)
     except JobRefused as refusal:
         outcome = refusal.code.value
@@ -140,8 +141,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             publisher, ErrorCode.ENGINE_ERROR, f"generation failed: {type(error).__name__}"
         )
     finally:
-        if outcome != "done":
-            metrics.job_ended(outcome)
+        metrics.job_ended(outcome, e2e_s=e2e_s)
         running.discard(job_id)
         await asyncio.shield(_release(ctx["redis"], settings.queue, job_id))
         structlog.contextvars.unbind_contextvars("job_id")
