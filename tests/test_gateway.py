@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
 from helpers import EDGEQ, FIGURES, FULL_LENGTH_SEEDS
 from producer.client import ChatClient
@@ -80,6 +81,25 @@ async def queued_job_ids(client: ChatClient, *, at_least: int = 1) -> list[str]:
             if len(ids) >= at_least:
                 return [raw.decode() for raw in ids]
             await asyncio.sleep(0.02)
+
+
+async def open_played_stream(
+    sdk: openai.AsyncOpenAI, model: str, client: ChatClient, first_text: str
+) -> tuple[str, openai.AsyncStream[ChatCompletionChunk]]:
+    """Open a streaming chat through a gateway on a queue no worker serves, and play the
+    worker's first delta by hand; returns once the SDK has received it."""
+    request = asyncio.create_task(
+        sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    )
+    (job_id,) = await queued_job_ids(client)
+    await client.events.append(DeltaEvent(job_id=job_id, seq=0, text=first_text))
+    stream = await request
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content == first_text:
+            break
+    return job_id, stream
 
 
 async def terminal_event(client: ChatClient, job_id: str, timeout_s: float = 10.0) -> object:
@@ -250,18 +270,8 @@ async def test_a_disconnect_mid_stream_cancels_at_once(
     """The same, deterministic: this test plays the worker through the wire contract (as a
     worker in another language would), so the stream is surely mid-answer at the disconnect."""
     sdk = openai.AsyncOpenAI(base_url=unserved_gateway, api_key=API_KEY, max_retries=0)
-    request = asyncio.create_task(
-        sdk.chat.completions.create(
-            model=str(tiny_model), messages=[{"role": "user", "content": "hi"}], stream=True
-        )
-    )
-    (job_id,) = await queued_job_ids(unserved_client)
+    job_id, stream = await open_played_stream(sdk, str(tiny_model), unserved_client, "Once")
     events = unserved_client.events
-    await events.append(DeltaEvent(job_id=job_id, seq=0, text="Once"))
-    stream = await request
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content == "Once":
-            break
     await events.append(DeltaEvent(job_id=job_id, seq=0, text=" upon"))
     await stream.close()
     closed = time.monotonic()
@@ -363,20 +373,9 @@ async def test_sigterm_lets_an_open_stream_finish_then_the_gateway_exits(
     gateway = GatewayProcess(env, tmp_path / "gateway.log").start()
     try:
         sdk = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0)
-        request = asyncio.create_task(
-            sdk.chat.completions.create(
-                model=str(tiny_model), messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-        )
-        (job_id,) = await queued_job_ids(unserved_client)
+        job_id, stream = await open_played_stream(sdk, str(tiny_model), unserved_client, "Still")
         events = unserved_client.events
-        await events.append(DeltaEvent(job_id=job_id, seq=0, text="Still"))
-        stream = await request
-        texts = []
-        async for chunk in stream:
-            texts.append(chunk.choices[0].delta.content)
-            if texts[-1] == "Still":
-                break
+        texts: list[str | None] = ["Still"]
         assert gateway.process is not None
         gateway.process.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.5)  # the gateway is draining now
