@@ -26,7 +26,9 @@ from worker.localrun import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
-BURST = 100  # more than one worker's max_jobs (64), so neither can take the whole burst
+# More than one worker's max_jobs (64), all queued (about 2 ms apart) before the first 64 can
+# finish their tokens: neither worker can take the whole burst.
+BURST = 100
 BURST_TOKENS = 64
 
 
@@ -96,10 +98,10 @@ async def test_a_burst_is_served_by_both_workers_each_job_exactly_once(
 ) -> None:
     before = (started_job_ids(worker), started_job_ids(second_worker))
     jobs = [
-        client.chat(f"burst {n}", max_tokens=BURST_TOKENS, seed=FULL_LENGTH_SEEDS[n % 3])
+        await client.submit(f"burst {n}", max_tokens=BURST_TOKENS, seed=FULL_LENGTH_SEEDS[n % 3])
         for n in range(BURST)
     ]
-    results = await asyncio.gather(*jobs)
+    results = await asyncio.gather(*(job.result() for job in jobs))
 
     assert all(result.usage.completion_tokens == BURST_TOKENS for result in results)
     submitted = {result.job_id for result in results}
