@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 from collections import Counter
@@ -183,7 +184,11 @@ async def test_status_json_shows_both_workers_and_the_queue_depth(
 
     text = edgeq_status(worker)
     assert all(worker_id in text for worker_id in ids)
-    assert "ended in the last 5m: done" in text
+    # Outcomes are listed most frequent first; earlier tests on the shared
+    # worker may have refused more jobs than were served, so find "done" anywhere.
+    last_5m = next(line for line in text.splitlines() if line.startswith("ended in the last 5m:"))
+    done_count = int(re.search(r"\bdone (\d+)", last_5m).group(1))
+    assert done_count >= BURST
 
 
 def test_a_stopped_worker_leaves_the_status_at_once(
