@@ -19,8 +19,7 @@ SHUTDOWN_MARGIN_S = 2.0
 
 def run_gateway_command(*, env_file: Path | None) -> int:
     try:
-        overrides = {"_env_file": env_file} if env_file is not None else {}
-        settings = load_settings(GatewaySettings, **overrides)
+        settings = load_settings(GatewaySettings, env_file=env_file)
     except ConfigError as error:
         print(f"edgeq gateway: {error}", file=sys.stderr)
         return EXIT_CONFIG

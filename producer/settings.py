@@ -8,6 +8,7 @@ same environment always agree on where the queue is.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -131,8 +132,15 @@ def describe_validation_error(error: ValidationError, prefix: str = ENV_PREFIX) 
     return "invalid settings:\n  " + "\n  ".join(lines)
 
 
-def load_settings(cls: type[SettingsT], **overrides: Any) -> SettingsT:
-    """Build settings, turning pydantic's error into a ConfigError that names each variable."""
+def load_settings(
+    cls: type[SettingsT], *, env_file: Path | None = None, **overrides: Any
+) -> SettingsT:
+    """Build settings, turning pydantic's error into a ConfigError that names each variable.
+
+    ``env_file`` replaces ``.env`` in the working directory (``--env-file`` of the commands).
+    """
+    if env_file is not None:
+        overrides["_env_file"] = env_file
     try:
         return cls(**overrides)
     except ValidationError as error:

@@ -63,7 +63,7 @@ def test_an_env_file_value_beats_a_profile_from_the_environment(
     env_file = tmp_path / "box.env"
     env_file.write_text("EDGEQ_MAX_NUM_SEQS=48\n")
     monkeypatch.setenv("EDGEQ_PROFILE", "latency")
-    settings = load_settings(WorkerSettings, _env_file=env_file)
+    settings = load_settings(WorkerSettings, env_file=env_file)
     assert settings.max_num_seqs == 48
     assert settings.stream_interval_ms == PROFILES["latency"]["stream_interval_ms"]
 

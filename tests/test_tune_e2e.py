@@ -205,7 +205,7 @@ def test_a_tiny_sweep_writes_the_winner_and_a_plot(tiny_model: Path, tmp_path: P
     text = out.read_text()
     assert text.startswith("# edgeq tune")
     assert f"EDGEQ_MAX_NUM_SEQS={winner}\n" in text
-    settings = load_settings(WorkerSettings, _env_file=out)
+    settings = load_settings(WorkerSettings, env_file=out)
     assert settings.max_num_seqs == winner
     assert settings.max_num_batched_tokens == BUDGET
     assert settings.enable_chunked_prefill is True

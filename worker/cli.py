@@ -17,8 +17,7 @@ from worker.settings import WorkerSettings
 def run_worker_command(*, env_file: Path | None) -> int:
     process_started = time.monotonic()
     try:
-        overrides = {"_env_file": env_file} if env_file is not None else {}
-        settings = load_settings(WorkerSettings, **overrides)
+        settings = load_settings(WorkerSettings, env_file=env_file)
     except ConfigError as error:
         # Before logging is configured on purpose: this must be readable by a person.
         print(f"edgeq worker: {error}", file=sys.stderr)
