@@ -138,8 +138,12 @@ def load_settings(
     """Build settings, turning pydantic's error into a ConfigError that names each variable.
 
     ``env_file`` replaces ``.env`` in the working directory (``--env-file`` of the commands).
+    pydantic-settings skips a missing env file without a word; a mistyped path would start a
+    worker on the defaults, so it is an error here.
     """
     if env_file is not None:
+        if not env_file.is_file():
+            raise ConfigError(f"--env-file: {env_file} is not a file")
         overrides["_env_file"] = env_file
     try:
         return cls(**overrides)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from gateway.settings import GatewaySettings
+from helpers import EDGEQ
 from producer.settings import ConfigError, ConnectionSettings, load_settings, redacted_url
 from worker.settings import WorkerSettings
 
@@ -37,6 +39,16 @@ def test_arq_max_jobs_follows_the_engine_batch(monkeypatch: pytest.MonkeyPatch) 
 def test_dot_env_is_read(tmp_path: Path) -> None:
     (tmp_path / ".env").write_text("EDGEQ_QUEUE=from-dotenv\n")
     assert load_settings(ConnectionSettings).queue == "from-dotenv"
+
+
+@pytest.mark.parametrize("command", ["worker", "gateway"])
+def test_a_missing_env_file_stops_the_command(tmp_path: Path, command: str) -> None:
+    missing = tmp_path / "tuned.env"
+    completed = subprocess.run(
+        [*EDGEQ, command, "--env-file", str(missing)], capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 78, completed.stderr
+    assert f"--env-file: {missing} is not a file" in completed.stderr
 
 
 @pytest.mark.parametrize(
