@@ -398,6 +398,28 @@ rollback() {
     die "smoke test failed: $reason. No earlier release to roll back to."
 }
 
+# shellcheck disable=SC2317  # called through wait_until_ready
+unit_active() {  # the worker units say READY=1 (Type=notify): systemd then calls them active
+    [ "$(systemctl show -p ActiveState --value "$1")" = active ]
+}
+
+# UNIT TIMEOUT_S CHECK...: run CHECK every 2 s until it succeeds, leaving its output in $out;
+# roll back if UNIT fails or TIMEOUT_S passes first.
+wait_until_ready() {
+    local unit=$1 timeout_s=$2 waited=0 state
+    shift 2
+    while ! out=$("$@" 2>&1); do
+        state=$(systemctl show -p ActiveState --value "$unit")
+        if [ "$state" = failed ] || [ "$waited" -ge "$timeout_s" ]; then
+            journalctl -u "$unit" -n 30 --no-pager >&2 || true
+            rollback "$unit is $state, not ready after ${waited} s${out:+: $out} (journalctl -u $unit)"
+        fi
+        sleep 2
+        waited=$((waited + 2))
+    done
+}
+
+# shellcheck disable=SC2317  # called through wait_until_ready
 gateway_ready() {  # GET /ready of the gateway, where its settings make it listen
     # shellcheck disable=SC1090,SC1091
     (
@@ -429,17 +451,7 @@ if systemd_live; then
     if [ "$SMOKE" = 1 ]; then
         for instance in $instances; do
             say "waiting for $instance to be ready (READY=1, up to ${READY_TIMEOUT_S} s)"
-            waited=0
-            while :; do
-                state=$(systemctl show -p ActiveState --value "$instance")
-                [ "$state" = active ] && break
-                if [ "$state" = failed ] || [ "$waited" -ge "$READY_TIMEOUT_S" ]; then
-                    journalctl -u "$instance" -n 30 --no-pager >&2 || true
-                    rollback "$instance is $state after ${waited} s (journalctl -u $instance)"
-                fi
-                sleep 2
-                waited=$((waited + 2))
-            done
+            wait_until_ready "$instance" "$READY_TIMEOUT_S" unit_active "$instance"
         done
         say "smoke test: one chat through the queue"
         # shellcheck disable=SC1090
@@ -450,16 +462,7 @@ if systemd_live; then
         say "smoke test passed: $out"
         if gateway_enabled; then
             say "waiting for $GATEWAY_UNIT to be ready (GET /ready, up to ${GATEWAY_READY_TIMEOUT_S} s)"
-            waited=0
-            while ! out=$(gateway_ready 2>&1); do
-                state=$(systemctl show -p ActiveState --value "$GATEWAY_UNIT")
-                if [ "$state" = failed ] || [ "$waited" -ge "$GATEWAY_READY_TIMEOUT_S" ]; then
-                    journalctl -u "$GATEWAY_UNIT" -n 30 --no-pager >&2 || true
-                    rollback "$GATEWAY_UNIT is $state, not ready after ${waited} s: $out (journalctl -u $GATEWAY_UNIT)"
-                fi
-                sleep 2
-                waited=$((waited + 2))
-            done
+            wait_until_ready "$GATEWAY_UNIT" "$GATEWAY_READY_TIMEOUT_S" gateway_ready
             say "gateway ready: $out"
         fi
     fi
