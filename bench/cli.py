@@ -20,11 +20,10 @@ from bench.records import ModeRun
 from bench.report import build_report, format_table, plot_runs, write_json
 from bench.runners import ModeKind, ModePlan, run_plan
 from bench.workload import Workload, WorkloadError, WorkloadSpec, build_workload, load_tokenizer
-from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_USAGE
+from producer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, EXIT_USAGE
 from producer.settings import ConfigError, load_settings
 
 #: The shell's status for a run ended by Ctrl-C (128 + SIGINT), as ``edgeq chat`` returns.
-EXIT_INTERRUPTED = 130
 
 
 class UsageError(ValueError):
@@ -110,11 +109,15 @@ def default_model() -> str:
 
 
 def run_config(
-    args: argparse.Namespace, spec: WorkloadSpec, model: str, template_tokens: int
+    spec: WorkloadSpec,
+    users: int,
+    slos_ms: Mapping[str, float],
+    model: str,
+    template_tokens: int,
 ) -> dict[str, Any]:
     return {
         "model": model,
-        "users": args.users,
+        "users": users,
         "num_prompts": spec.num_requests,
         "input_len_min": spec.input_len_min,
         "input_len_max": spec.input_len_max,
@@ -122,7 +125,7 @@ def run_config(
         "temperature": spec.temperature,
         "top_p": spec.top_p,
         "seed": spec.seed,
-        "goodput_slos_ms": parse_goodput(args.goodput or ()),
+        "goodput_slos_ms": dict(slos_ms),
         "template_tokens": template_tokens,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
@@ -182,8 +185,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     runs: list[ModeRun] = []
     try:
         for plan in plans:
-            # Every mode gets the tokenizer's model, so prompt lengths hold in each.
-            plan = ModePlan(plan.name, plan.kind, plan.worker_env, plan.url, {"model": model})
             if plan.worker_env is not None:
                 _say(f"{plan.name}: starting a private Redis and a worker (engine start-up first)")
             elif plan.kind is ModeKind.DIRECT:
@@ -197,7 +198,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         _say("interrupted")
         return EXIT_INTERRUPTED
 
-    config = run_config(args, spec, model, workload.template_tokens)
+    config = run_config(spec, args.users, slos_ms, model, workload.template_tokens)
     config["modes"] = [{"name": p.name, "kind": p.kind.value, "url": p.url} for p in plans]
     metrics = collect_metrics(runs, slos_ms)
     print(format_table(config, runs, metrics))

@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -216,20 +217,32 @@ def _histogram(ax: Any, runs: Sequence[ModeRun]) -> None:
     ax.grid(alpha=0.3)
 
 
-def plot_runs(config: Mapping[str, Any], runs: Sequence[ModeRun], path: Path) -> None:
-    """Latency CDFs (TTFT, end-to-end; one line per mode) and a TTFT histogram, as a PNG."""
+def load_pyplot() -> ModuleType:
+    """matplotlib's pyplot on the file-only backend (no display on a server); imported late,
+    so the bench's other commands never pay for it."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display on a server
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(figure: Any, path: Path) -> None:
+    """Lay out, write as PNG (creating the folder) and free the figure."""
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=FIGURE_DPI)
+    load_pyplot().close(figure)
+
+
+def plot_runs(config: Mapping[str, Any], runs: Sequence[ModeRun], path: Path) -> None:
+    """Latency CDFs (TTFT, end-to-end; one line per mode) and a TTFT histogram, as a PNG."""
+    plt = load_pyplot()
     measured = [run for run in runs if run.error is None]
     figure, axes = plt.subplots(1, 3, figsize=FIGURE_SIZE_IN)
     _cdf(axes[0], measured, "ttft_s", "Time to first token (CDF)", "TTFT (ms)")
     _cdf(axes[1], measured, "e2el_s", "End-to-end latency (CDF)", "E2E latency (ms)")
     _histogram(axes[2], measured)
     figure.suptitle(f"edgeq bench on {config['model']}\n{describe_workload(config)}")
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=FIGURE_DPI)
-    plt.close(figure)
+    save_figure(figure, path)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,8 +63,6 @@ class ModePlan:
     worker_env: Mapping[str, str] | None = None
     #: OpenAI: the server's base URL.
     url: str | None = None
-    #: Settings overrides for the mode (the model for direct mode and started workers).
-    overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
 def user_schedule(num_requests: int, users: int) -> list[list[int]]:
@@ -203,8 +201,9 @@ def run_plan(
     try:
         if plan.kind is ModeKind.QUEUE and plan.worker_env is not None:
             log_dir = log_dir or Path(tempfile.mkdtemp(prefix="edgeq-bench-"))
-            # An env file may name its own model (same tokenizer assumed): its values win.
-            env = {**_as_env(plan.overrides), **plan.worker_env}
+            # Every mode runs the workload's model, whose tokenizer sized the prompts; an env
+            # file may name its own (same tokenizer assumed): its values win.
+            env = {"EDGEQ_MODEL": workload.model, **plan.worker_env}
             with local_worker(env, log_dir / plan.name) as worker:
                 settings = load_settings(
                     ConnectionSettings,
@@ -227,7 +226,7 @@ def run_plan(
         if plan.kind is ModeKind.DIRECT:
             from worker.settings import WorkerSettings
 
-            direct = DirectTarget(load_settings(WorkerSettings, **plan.overrides))
+            direct = DirectTarget(load_settings(WorkerSettings, model=workload.model))
             return asyncio.run(run_target(direct, workload, users, progress))
         if plan.url is None:
             raise ValueError("an OpenAI mode needs the server's URL")
@@ -239,8 +238,3 @@ def run_plan(
         return ModeRun(
             name=plan.name, target=plan.kind.value, error=f"{type(error).__name__}: {error}"
         )
-
-
-def _as_env(overrides: Mapping[str, Any]) -> dict[str, str]:
-    """Settings overrides as the EDGEQ_* variables a worker process reads."""
-    return {f"EDGEQ_{name.upper()}": str(value) for name, value in overrides.items()}

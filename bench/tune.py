@@ -35,11 +35,11 @@ from bench.cli import (
 )
 from bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
 from bench.records import ModeRun
-from bench.report import describe_workload
+from bench.report import describe_workload, load_pyplot, save_figure
 from bench.runners import ModeKind, ModePlan, Progress, run_plan
 from bench.workload import Workload, WorkloadError
-from producer.cli import EXIT_JOB_FAILED, EXIT_OK
-from producer.settings import ConfigError, ConnectionSettings, load_settings
+from producer.cli import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
+from producer.settings import ENV_PREFIX, ConfigError, ConnectionSettings, load_settings
 
 #: What the sweep varies, in the order the table and the env file show them.
 KNOBS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "block_size")
@@ -51,7 +51,6 @@ REASON_CHARS = 160
 #: The line `edgeq worker` prints on stderr when it stops before it is ready.
 WORKER_STOPPED = re.compile(r"^edgeq worker: (?:stopped: )?(.*)$")
 PYDANTIC_VALUE_ERROR = "Value error, "
-FIGURE_DPI = 110
 #: Two stacked panels grow with the number of configurations, up to a laptop screen's width.
 MAX_FIGURE_WIDTH_IN = 18.0
 BEST_COLOUR, OTHER_COLOUR = "tab:orange", "tab:blue"
@@ -80,7 +79,7 @@ class TuneConfig:
         return {knob: value for knob, value in values.items() if value is not None}
 
     def env(self) -> dict[str, str]:
-        return {f"EDGEQ_{name.upper()}": _env_value(v) for name, v in self.settings().items()}
+        return as_env(self.settings())
 
     @property
     def name(self) -> str:
@@ -96,7 +95,6 @@ class TuneResult:
     metrics: BenchMetrics | None = None
     #: ``invalid: …`` (refused, or did not start) or ``failed: …`` (started, then failed).
     error: str | None = None
-    worker_log: Path | None = None
     elapsed_s: float = 0.0
 
     @property
@@ -104,10 +102,12 @@ class TuneResult:
         return self.metrics is not None
 
 
-def _env_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+def as_env(settings: Mapping[str, Any]) -> dict[str, str]:
+    """WorkerSettings fields as the EDGEQ_* lines a worker reads."""
+    return {
+        f"{ENV_PREFIX}{name.upper()}": str(value).lower() if isinstance(value, bool) else str(value)
+        for name, value in settings.items()
+    }
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -205,9 +205,7 @@ def run_sweep(
             results.append(TuneResult(config, error=f"invalid: {reason}"))
             continue
         _say(f"{prefix}: starting a private Redis and a worker (engine start-up first)")
-        plan = ModePlan(
-            config.name, ModeKind.QUEUE, worker_env=config.env(), overrides={"model": model}
-        )
+        plan = ModePlan(config.name, ModeKind.QUEUE, worker_env=config.env())
         run = runner(
             plan,
             workload,
@@ -218,7 +216,6 @@ def run_sweep(
         )
         result = TuneResult(
             config,
-            worker_log=log_dir / config.name / "worker.log",
             elapsed_s=time.monotonic() - started,
         )
         if run.error is not None:
@@ -361,7 +358,7 @@ def env_file_text(
         lines += [
             "",
             "# Not swept, in force while measuring (from the environment or .env):",
-            *(f"EDGEQ_{name.upper()}={_env_value(value)}" for name, value in fixed.items()),
+            *(f"{name}={value}" for name, value in as_env(fixed).items()),
         ]
     return "\n".join(lines) + "\n"
 
@@ -378,10 +375,7 @@ def plot_tune(
 ) -> None:
     """Goodput and output tok/s per configuration (bars), the best in another colour,
     invalid or failed ones marked on the axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a server
-    import matplotlib.pyplot as plt
+    plt = load_pyplot()
 
     labels = [_bar_label(r) for r in results]
     positions = list(range(len(results)))
@@ -418,10 +412,7 @@ def plot_tune(
         f"edgeq tune on {config['model']} — {best_text}\n{describe_workload(config)}",
         fontsize="medium",
     )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=FIGURE_DPI)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -469,8 +460,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
 
     log_dir = Path(tempfile.mkdtemp(prefix="edgeq-tune-"))
     _say(f"worker logs in {log_dir}")
-    as_bench = argparse.Namespace(**{**vars(args), "goodput": args.slo or DEFAULT_SLOS})
-    config = run_config(as_bench, spec, model, workload.template_tokens)
+    config = run_config(spec, args.users, slos_ms, model, workload.template_tokens)
     config |= {"host": platform.node() or "this box", "engine": _engine_name()}
     started = time.monotonic()
     try:
@@ -486,7 +476,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:  # the worker and Redis of the running config are stopped
         _say("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     _say(f"sweep took {time.monotonic() - started:.0f} s")
 
     best = pick_best(results)
