@@ -99,10 +99,6 @@ def _link_or_copy(source: Path, target: Path) -> None:
 # --- the edgeq wheel and the wheelhouse ----------------------------------------------------------
 
 
-def project_version(source: Path = SOURCE_DIR) -> str:
-    return tomllib.loads((source / "pyproject.toml").read_text())["project"]["version"]
-
-
 def build_edgeq_wheel(dest: Path, *, source: Path = SOURCE_DIR, version_suffix: str = "") -> Path:
     """Build the edgeq wheel from a clean copy of the source tree (so nothing is written into
     it), with ``+<suffix>`` appended to the version when asked (a local version label)."""
@@ -205,10 +201,12 @@ def download_wheelhouse(
     progress(f"  downloaded {human(dir_size(dest))} in {time.monotonic() - started:.0f} s")
 
 
-def finish_wheelhouse(wheelhouse: Path, variant: str, progress: Progress = _stderr) -> list[Path]:
+def finish_wheelhouse(
+    wheelhouse: Path, variant: str, progress: Progress = _stderr
+) -> dict[Path, str]:
     """Drop what must not be installed, then write the pinned, hashed requirements.txt that
     install.sh installs with ``--no-deps --require-hashes``: exactly these wheels, nothing
-    resolved on the box."""
+    resolved on the box. Returns each wheel's sha256, in name order."""
     wheels = sorted(wheelhouse.glob("*.whl"))
     seen: dict[str, Path] = {}
     for wheel in wheels:
@@ -225,15 +223,13 @@ def finish_wheelhouse(wheelhouse: Path, variant: str, progress: Progress = _stde
         if name in seen:
             raise BundleError(f"two wheels for {name}: {seen[name].name} and {wheel.name}")
         seen[name] = wheel
+    sums = {wheel: sha256_file(wheel) for _, wheel in sorted(seen.items())}
     lines = [
         "# Every wheel of this bundle, pinned and hashed; installed with --no-deps.",
-        *(
-            f"{name}=={_wheel_name(wheel)[1]} --hash=sha256:{sha256_file(wheel)}"
-            for name, wheel in sorted(seen.items())
-        ),
+        *(f"{_wheel_name(w)[0]}=={_wheel_name(w)[1]} --hash=sha256:{d}" for w, d in sums.items()),
     ]
     (wheelhouse / REQUIREMENTS).write_text("\n".join(lines) + "\n")
-    return sorted(seen.values())
+    return sums
 
 
 def build_wheelhouse(
@@ -246,9 +242,10 @@ def build_wheelhouse(
     python_version: str | None = None,
     platform: str | None = None,
     progress: Progress = _stderr,
-) -> list[Path]:
+) -> dict[Path, str]:
     """The wheelhouse for one bundle: edgeq built from ``source``, the rest downloaded, or
-    hard-linked from ``wheelhouse_from`` (an earlier wheelhouse of the same dependencies)."""
+    hard-linked from ``wheelhouse_from`` (an earlier wheelhouse of the same dependencies).
+    Returns each wheel's sha256."""
     if variant not in VARIANTS:
         raise BundleError(f"variant must be one of {sorted(VARIANTS)}, not {variant!r}")
     dest.mkdir(parents=True, exist_ok=True)
@@ -422,24 +419,24 @@ def build_bundle(
     with tempfile.TemporaryDirectory(prefix="edgeq-bundle-", dir=out_dir) as tmp:
         progress(f"[1/4] wheelhouse ({variant})")
         staging = Path(tmp) / "staging"
-        wheels = build_wheelhouse(
+        wheel_sums = build_wheelhouse(
             staging / "wheelhouse", variant, source=source, version_suffix=version_suffix,
             wheelhouse_from=wheelhouse_from, python_version=python_version, platform=platform,
             progress=progress,
         )  # fmt: skip
-        edgeq_wheel = next(w for w in wheels if _wheel_name(w)[0] == "edgeq")
+        edgeq_wheel = next(w for w in wheel_sums if _wheel_name(w)[0] == "edgeq")
         version = _wheel_name(edgeq_wheel)[1]
         wheelhouse_size = dir_size(staging / "wheelhouse")
-        progress(f"  {len(wheels)} wheels, {human(wheelhouse_size)}")
+        progress(f"  {len(wheel_sums)} wheels, {human(wheelhouse_size)}")
 
         progress(f"[2/4] model {name}")
         model_dest = staging / "models" / name
         model_dest.parent.mkdir(parents=True)
         if model_dir is not None:
-            add_local_model(model_dir, model_dest, progress)
+            model_sums = add_local_model(model_dir, model_dest, progress)
             model_source = {"source": "directory", "path": str(model_dir.resolve())}
         else:
-            download_model(model_id, revision, model_dest, progress)
+            model_sums = download_model(model_id, revision, model_dest, progress)
             model_source = {"source": "huggingface", "id": model_id, "revision": revision}
         model_size = dir_size(model_dest)
         progress(f"  {len(model_files(model_dest))} files, {human(model_size)}, {SUMS} written")
@@ -454,9 +451,13 @@ def build_bundle(
         (staging / "install.sh").chmod(0o755)
         shutil.copy2(source / "README.md", staging / "README.md")
         (staging / "edgeq.env").write_text(env_file_text(source, f"{INSTALL_ROOT_MODELS}/{name}"))
+        # The wheels and model files (nearly all the bytes) were hashed on the way in.
+        known = {str(w.relative_to(staging)): d for w, d in wheel_sums.items()} | {
+            str((model_dest / n).relative_to(staging)): d for n, d in model_sums.items()
+        }
         files = {
             str(path.relative_to(staging)): {
-                "sha256": sha256_file(path),
+                "sha256": known.get(str(path.relative_to(staging))) or sha256_file(path),
                 "size": path.stat().st_size,
             }
             for path in sorted(staging.rglob("*"))
@@ -536,4 +537,3 @@ def run_bundle_command(
         return EXIT_JOB_FAILED
     print(bundle.path)
     return EXIT_OK
-
