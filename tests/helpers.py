@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +17,13 @@ import redis
 from redis.asyncio import Redis
 
 from producer.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent, stream_channel
-from worker.localrun import free_port, tiny_model_env, wait_for_port
+from worker.localrun import (
+    free_port,
+    redis_server_binary,
+    stop_process,
+    tiny_model_env,
+    wait_for_port,
+)
 
 # The tiny model's context in tests, kept short so "prompt too long" is cheap to provoke.
 TEST_MAX_MODEL_LEN = 512
@@ -124,9 +130,7 @@ class SentinelServer:
         return f"redis+sentinel://{credentials}127.0.0.1:{self.port}/{name}/{db}{query}"
 
     def start(self) -> SentinelServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        binary = redis_server_binary()
         self.directory.mkdir(parents=True, exist_ok=True)
         config = self.directory / f"sentinel-{self.port}.conf"  # Sentinel rewrites it: writable
         lines = [
@@ -177,7 +181,6 @@ class SentinelServer:
                 time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
+        if self.process is not None:
+            stop_process(self.process, signal.SIGTERM)
         self.process = None

@@ -82,6 +82,13 @@ def wait_for_port(port: int, timeout_s: float) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:g} s")
 
 
+def redis_server_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+    return binary
+
+
 @dataclass
 class RedisServer:
     """A throw-away redis-server on loopback: no persistence, its own port."""
@@ -95,9 +102,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
+        binary = redis_server_binary()
         self.process = subprocess.Popen(
             [
                 binary,
@@ -118,9 +123,8 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
+        if self.process is not None:
+            stop_process(self.process, signal.SIGTERM)
         self.process = None
 
 
