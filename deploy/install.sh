@@ -66,6 +66,11 @@ say() { echo "edgeq install: $*"; }
 changed() { CHANGED=$((CHANGED + 1)); echo "  + $*"; }
 die() { echo "edgeq install: $*" >&2; exit 1; }
 
+# The number in the last `KEY=N` line of FILE, indented or quoted as a shell allows; else nothing.
+env_int() {
+    sed -n "s/^[[:space:]]*$1=[\"']\{0,1\}\([0-9]*\).*/\1/p" "$2" | tail -n 1
+}
+
 # systemctl only when asked for and systemd really runs this box (the check Ollama's installer
 # makes: containers, chroots and WSL without systemd get the files, not the service calls).
 systemd_live() {
@@ -281,7 +286,7 @@ gpus=0
 if command -v nvidia-smi >/dev/null; then
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 fi
-tp=$(sed -n 's/^EDGEQ_TENSOR_PARALLEL_SIZE=\([0-9]*\).*/\1/p' "$ENV_FILE" | tail -n 1)
+tp=$(env_int EDGEQ_TENSOR_PARALLEL_SIZE "$ENV_FILE")
 tp=${tp:-1}
 [ "$tp" -ge 1 ] || tp=1
 instances=""
@@ -324,7 +329,7 @@ done
 count=0
 for instance in $instances; do count=$((count + 1)); done
 if [ "$count" -gt 1 ]; then
-    base=$(sed -n "s/^[[:space:]]*EDGEQ_METRICS_PORT=[\"']\{0,1\}\([0-9]*\).*/\1/p" "$ENV_FILE" | tail -n 1)
+    base=$(env_int EDGEQ_METRICS_PORT "$ENV_FILE")
     base=${base:-9400}
     if [ "$base" = 0 ]; then
         say "EDGEQ_METRICS_PORT=0 in ${ENV_FILE#"$ROOT"}: metrics off, no per-instance ports"

@@ -304,7 +304,8 @@ def test_several_gpus_get_one_metrics_port_each_and_the_operators_is_kept(
         assert "nothing changed" in again.stdout and "  + " not in again.stdout, again.stdout
 
         # Tensor parallel: an instance spans two GPUs, edgeq-worker@0\x2c1 reads edgeq-0,1.env.
-        env_file.write_text(settings + "EDGEQ_METRICS_PORT=9410\nEDGEQ_TENSOR_PARALLEL_SIZE=2\n")
+        # Quoted, as systemd's EnvironmentFile= (and a shell) allow.
+        env_file.write_text(settings + 'EDGEQ_METRICS_PORT=9410\nEDGEQ_TENSOR_PARALLEL_SIZE="2"\n')
         path = fake_gpus(tmp_path / "bin", 4)
         result = install(bundles["v1"], root, "--no-smoke-test", PATH=path)
         assert result.returncode == 0, result.stdout + result.stderr
