@@ -66,6 +66,21 @@ say() { echo "edgeq install: $*"; }
 changed() { CHANGED=$((CHANGED + 1)); echo "  + $*"; }
 die() { echo "edgeq install: $*" >&2; exit 1; }
 
+# Point LINK at TARGET (enable a unit) unless it already does; say so with MESSAGE.
+enable_link() {
+    if [ "$(readlink "$2" 2>/dev/null || true)" != "$1" ]; then
+        ln -sfn "$1" "$2"
+        changed "$3"
+    fi
+}
+
+# Stop and disable UNIT (when systemd runs) and remove its wants LINK; say so with MESSAGE.
+disable_unit() {
+    if systemd_live; then systemctl disable --now "$1" >/dev/null 2>&1 || true; fi
+    rm -f "$2"
+    changed "$3"
+}
+
 # The number in the last `KEY=N` line of FILE, indented or quoted as a shell allows; else nothing.
 env_int() {
     sed -n "s/^[[:space:]]*$1=[\"']\{0,1\}\([0-9]*\).*/\1/p" "$2" | tail -n 1
@@ -310,18 +325,14 @@ for enabled in $(enabled_instances); do
     case " $instances " in
         *" $enabled "*) ;;
         *)
-            if systemd_live; then systemctl disable --now "$enabled" >/dev/null 2>&1 || true; fi
-            rm -f "$UNITDIR/edgeq.target.wants/$enabled"
-            changed "disabled $enabled (not one of this box's instances now)"
+            disable_unit "$enabled" "$UNITDIR/edgeq.target.wants/$enabled" \
+                "disabled $enabled (not one of this box's instances now)"
             ;;
     esac
 done
 for instance in $instances; do
-    link=$UNITDIR/edgeq.target.wants/$instance
-    if [ "$(readlink "$link" 2>/dev/null || true)" != /etc/systemd/system/edgeq-worker@.service ]; then
-        ln -sfn /etc/systemd/system/edgeq-worker@.service "$link"
-        changed "enabled $instance"
-    fi
+    enable_link /etc/systemd/system/edgeq-worker@.service \
+        "$UNITDIR/edgeq.target.wants/$instance" "enabled $instance"
 done
 # Several instances on one box: each its own metrics port, EDGEQ_METRICS_PORT of edgeq.env
 # (9400 by default) plus its position, in its own settings file (edgeq-%I.env, %I = "0" or
@@ -357,18 +368,14 @@ fi
 
 # The gateway: enabled only when asked for (--with-gateway), then kept enabled by later runs.
 GATEWAY_LINK=$UNITDIR/edgeq.target.wants/$GATEWAY_UNIT
-if [ "$GATEWAY" = 1 ] && [ "$(readlink "$GATEWAY_LINK" 2>/dev/null || true)" != "/etc/systemd/system/$GATEWAY_UNIT" ]; then
-    ln -sfn "/etc/systemd/system/$GATEWAY_UNIT" "$GATEWAY_LINK"
-    changed "enabled $GATEWAY_UNIT (the OpenAI-compatible HTTP API; --without-gateway disables it)"
+if [ "$GATEWAY" = 1 ]; then
+    enable_link "/etc/systemd/system/$GATEWAY_UNIT" "$GATEWAY_LINK" \
+        "enabled $GATEWAY_UNIT (the OpenAI-compatible HTTP API; --without-gateway disables it)"
 elif [ "$GATEWAY" = 0 ] && { [ -e "$GATEWAY_LINK" ] || [ -L "$GATEWAY_LINK" ]; }; then
-    if systemd_live; then systemctl disable --now "$GATEWAY_UNIT" >/dev/null 2>&1 || true; fi
-    rm -f "$GATEWAY_LINK"
-    changed "disabled $GATEWAY_UNIT"
+    disable_unit "$GATEWAY_UNIT" "$GATEWAY_LINK" "disabled $GATEWAY_UNIT"
 fi
-if [ "$(readlink "$UNITDIR/multi-user.target.wants/edgeq.target" 2>/dev/null || true)" != /etc/systemd/system/edgeq.target ]; then
-    ln -sfn /etc/systemd/system/edgeq.target "$UNITDIR/multi-user.target.wants/edgeq.target"
-    changed "enabled edgeq.target (starts at boot)"
-fi
+enable_link /etc/systemd/system/edgeq.target "$UNITDIR/multi-user.target.wants/edgeq.target" \
+    "enabled edgeq.target (starts at boot)"
 
 # 7. Switch current, keeping the one before as previous; drop older releases.
 current=$(basename "$(readlink "$OPT/current" 2>/dev/null || echo none)")
