@@ -1,16 +1,20 @@
-"""Fast job pickup for arq: a wake-up instead of blind polling, and no per-poll cost that grows
-with the jobs already running.
+"""Fast job pickup for arq: a wake-up instead of blind polling, and one round trip to take a
+whole burst.
 
 arq finds jobs by polling its queue every ``poll_delay`` (500 ms by default: ~250 ms added to
-every chat) and, on every poll, re-checks each job it already runs with ~4 Redis round trips,
-because running jobs stay in the queue (see ../shared/notes/arq-redis.md). Here:
+every chat) and takes them one at a time: per job a WATCH/EXISTS/ZSCORE/MULTI transaction of
+~4 Redis round trips (see ../shared/notes/arq-redis.md). A burst of 64 chats then reaches the
+engine over 256 round trips, each one queued behind the streaming of the chats already
+running; and with several workers on one queue all of them walk the same ids in the same
+order, so the slower one loses every race and sits idle while jobs wait. Here:
 
 - producers PUBLISH on ``{queue}:wake`` after each enqueue (producer/queue.py); an idle worker
   waits on that channel, so a job starts within a Redis round trip of its enqueue, and an idle
   worker still looks once per ``IDLE_WAIT_S`` in case a producer did not signal;
 - while jobs run, the worker polls every ``poll_delay`` (slots free up, aborts arrive);
-- ``start_jobs`` drops ids this worker already runs and, in one round trip, ids another
-  worker holds, before arq's per-job WATCH/MULTI.
+- ``start_jobs`` takes as many due jobs as it has free slots in one Lua script
+  (``claim_due_jobs``), setting arq's own in-progress key as arq would: whichever worker runs
+  it first takes what it can hold, the next one takes the rest, and no job is taken twice.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import Any
 
 import redis.exceptions
 from arq.connections import log_redis_info
+from arq.utils import timestamp_ms
 from arq.worker import Worker
+from redis.asyncio import Redis
 
 from producer.protocol import in_progress_key
 from producer.queue import wake_channel
@@ -31,12 +37,46 @@ IDLE_WAIT_S = 1.0
 # After a Redis error while waiting, pause this long before trying again.
 WAIT_RETRY_S = 0.5
 
+# KEYS: the queue, then arq's in-progress key of each candidate; ARGV: now (ms), how many to
+# take, the in-progress TTL (ms), then the candidates' ids. Returns id, score, id, score, ...
+_CLAIM = """
+local now, wanted, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local claimed = {}
+for i = 2, #KEYS do
+  if #claimed >= 2 * wanted then break end
+  local job_id = ARGV[i + 2]
+  local score = redis.call('ZSCORE', KEYS[1], job_id)
+  if score and tonumber(score) <= now and redis.call('SET', KEYS[i], '1', 'NX', 'PX', ttl) then
+    claimed[#claimed + 1] = job_id
+    claimed[#claimed + 1] = score
+  end
+end
+return claimed
+"""
+
 arq_logger = logging.getLogger("arq.worker")
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
+async def claim_due_jobs(
+    redis: Redis, queue: str, job_ids: list[str], *, wanted: int, ttl_ms: int, now_ms: int
+) -> list[tuple[str, int]]:
+    """Take up to ``wanted`` of ``job_ids``, in their order, in one round trip: each one that is
+    due (in the queue with a score up to ``now_ms``: not deferred, not finished) and not taken
+    (arq's in-progress key is set only if absent, for ``ttl_ms``). Returns (id, score) pairs."""
+    claim = redis.register_script(_CLAIM)
+    claimed = await claim(
+        keys=[queue, *(in_progress_key(job_id) for job_id in job_ids)],
+        args=[now_ms, wanted, ttl_ms, *job_ids],
+    )
+    return [
+        (raw_id.decode(), int(float(raw_score)))
+        for raw_id, raw_score in zip(claimed[::2], claimed[1::2], strict=True)
+    ]
+
+
 class FastPickupWorker(Worker):
-    """arq's Worker with a wake-up channel and a constant-cost poll (see the module doc)."""
+    """arq's Worker with a wake-up channel and one round trip per claim (see the module doc)."""
 
     _wake: Any = None
     #: False gives arq's own polling back (EDGEQ_FAST_PICKUP=false): for comparisons, and as
@@ -77,16 +117,27 @@ class FastPickupWorker(Worker):
     async def start_jobs(self, job_ids: list[bytes]) -> None:
         if not self.fast_pickup:
             return await super().start_jobs(job_ids)
-        candidates = [job_id for job_id in job_ids if job_id.decode() not in self.tasks]
-        if not candidates:
+        free_slots = self.max_jobs - self.job_counter
+        candidates = [job_id.decode() for job_id in job_ids]
+        candidates = [job_id for job_id in candidates if job_id not in self.tasks]
+        if free_slots <= 0 or not candidates:
             return
-        async with self.pool.pipeline(transaction=False) as pipe:
-            for job_id in candidates:
-                pipe.exists(in_progress_key(job_id.decode()))
-            taken = await pipe.execute()
-        free = [job_id for job_id, held in zip(candidates, taken, strict=True) if not held]
-        if free:
-            await super().start_jobs(free)
+        claimed = await claim_due_jobs(
+            self.pool,
+            self.queue_name,
+            candidates,
+            wanted=free_slots,
+            ttl_ms=int(self.in_progress_timeout_s * 1000),
+            now_ms=timestamp_ms(),
+        )
+        for job_id, score in claimed:
+            # What arq's start_jobs does with a job it took. job_counter < max_jobs, so the
+            # semaphore (max_jobs + 1 permits) has a permit free and this does not wait.
+            await self.sem.acquire()
+            self.job_counter += 1
+            task = self.loop.create_task(self.run_job(job_id, score))
+            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            self.tasks[job_id] = task
 
     async def close(self) -> None:
         if self._wake is not None:

@@ -1,0 +1,90 @@
+"""The worker's one-round-trip claim against a real Redis: which queued jobs it takes, and that
+two workers claiming at once never take the same job."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from producer.protocol import in_progress_key
+from worker.pickup import claim_due_jobs
+
+NOW_MS = 1_800_000_000_000
+TTL_MS = 60_000
+
+
+@pytest.fixture
+async def redis(redis_server) -> AsyncIterator[Redis]:
+    connection = Redis.from_url(redis_server.url)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"edgeq:claim-{uuid.uuid4().hex[:8]}"
+
+
+async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS) -> list[str]:
+    """``count`` job ids in the queue, in this order (arq's score: enqueue time in ms)."""
+    job_ids = [f"job{n:03d}-{uuid.uuid4().hex[:6]}" for n in range(count)]
+    await redis.zadd(queue, {job_id: score_ms + n for n, job_id in enumerate(job_ids)})
+    return job_ids
+
+
+async def claim(redis: Redis, queue: str, job_ids: list[str], wanted: int) -> list[str]:
+    taken = await claim_due_jobs(
+        redis, queue, job_ids, wanted=wanted, ttl_ms=TTL_MS, now_ms=NOW_MS + 10_000
+    )
+    return [job_id for job_id, _ in taken]
+
+
+async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress(
+    redis: Redis, queue: str
+) -> None:
+    job_ids = await queued(redis, queue, 5)
+
+    taken = await claim_due_jobs(
+        redis, queue, job_ids, wanted=3, ttl_ms=TTL_MS, now_ms=NOW_MS + 10_000
+    )
+
+    assert taken == [(job_id, NOW_MS + n) for n, job_id in enumerate(job_ids[:3])]
+    for job_id in job_ids[:3]:
+        assert 0 < await redis.pttl(in_progress_key(job_id)) <= TTL_MS
+    assert not await redis.exists(*(in_progress_key(job_id) for job_id in job_ids[3:]))
+    # The next look takes what is left, then nothing.
+    assert await claim(redis, queue, job_ids, wanted=10) == job_ids[3:]
+    assert await claim(redis, queue, job_ids, wanted=10) == []
+
+
+async def test_skips_jobs_taken_elsewhere_deferred_or_finished(redis: Redis, queue: str) -> None:
+    taken_elsewhere, due = await queued(redis, queue, 2)
+    (deferred,) = await queued(redis, queue, 1, score_ms=NOW_MS + 60_000)
+    finished = "job-no-longer-queued"
+    await redis.set(in_progress_key(taken_elsewhere), b"1")  # e.g. by arq's own start_jobs
+
+    assert await claim(redis, queue, [taken_elsewhere, deferred, finished, due], 10) == [due]
+    assert await redis.ttl(in_progress_key(taken_elsewhere)) == -1  # left as it was
+    assert not await redis.exists(in_progress_key(deferred), in_progress_key(finished))
+
+
+async def test_two_workers_claiming_at_once_never_take_the_same_job(
+    redis: Redis, redis_server, queue: str
+) -> None:
+    job_ids = await queued(redis, queue, 100)
+    workers = [Redis.from_url(redis_server.url) for _ in range(2)]
+    try:
+        first, second = await asyncio.gather(
+            *(claim(worker, queue, job_ids, wanted=64) for worker in workers)
+        )
+    finally:
+        for worker in workers:
+            await worker.aclose()
+
+    assert len(first) <= 64 and len(second) <= 64
+    assert not set(first) & set(second)
+    assert sorted(first + second) == sorted(job_ids)
