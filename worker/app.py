@@ -130,7 +130,9 @@ async def keep_alive(ctx: dict[str, Any]) -> None:
     lost jobs, and say this worker is alive (``edgeq status``, the gateway's /ready)."""
     settings: WorkerSettings = ctx["settings"]
     redis = ctx["redis"]
+    period_s = settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL
     while True:
+        began = time.monotonic()
         try:
             now = time.time()
             await renew_leases(
@@ -144,7 +146,9 @@ async def keep_alive(ctx: dict[str, Any]) -> None:
             ctx["metrics"].waiting.set((await queue_depth(redis, settings.queue)).waiting)
         except REDIS_ERRORS as error:
             log.warning("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
-        await asyncio.sleep(settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL)
+        # A period from the start of this round, not from its end: on a loaded event loop a
+        # round's round trips can take seconds, and leases must not wait for them on top.
+        await asyncio.sleep(max(0.0, period_s - (time.monotonic() - began)))
 
 
 async def start_engine(ctx: dict[str, Any]) -> None:
