@@ -318,9 +318,7 @@ class ChatJob:
         """If the job's worker stopped renewing its lease, end the job with ``worker_lost``."""
         client = self._client
         with redis_errors(client.settings.redis_url):
-            if await lease_expired(
-                client.redis, client.settings.queue, self.job_id, now_s=time.time()
-            ):
+            if await lease_expired(client.redis, client.settings.queue, self.job_id):
                 await declare_lost(
                     client.redis, client.events, self.job_id, queue=client.queue.name
                 )

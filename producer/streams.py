@@ -185,26 +185,42 @@ async def finished_with(redis: Redis, job_id: str) -> AnyEvent | None:
 
 
 def leases_key(queue: str) -> str:
-    """A sorted set per queue: running job id -> lease expiry (Unix ms)."""
+    """A sorted set per queue: running job id -> lease expiry (Unix ms, Redis's clock)."""
     return f"{queue}:leases"
 
 
-async def renew_leases(
-    redis: Redis, queue: str, job_ids: list[str], *, ttl_s: float, now_s: float
-) -> None:
-    """A worker's promise that these jobs are alive until now + ttl."""
+# Expiry = Redis's clock when the renewal lands + the TTL, not the worker's clock when it sent
+# it: a renewal held up in a stalled event loop (seen for 14 s on a 2-core box running two
+# engines) must not arrive already expired and get a live job declared lost. One clock for
+# every lease decision also keeps clock skew between boxes out of it.
+_RENEW = """
+local now = redis.call('TIME')
+local expiry = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], expiry, ARGV[i])
+end
+"""
+
+
+async def redis_now_ms(redis: Redis) -> int:
+    seconds, microseconds = await redis.time()
+    return int(seconds) * 1000 + int(microseconds) // 1000
+
+
+async def renew_leases(redis: Redis, queue: str, job_ids: list[str], *, ttl_s: float) -> None:
+    """A worker's promise that these jobs are alive for ``ttl_s`` from now (on Redis's clock)."""
     if job_ids:
-        expiry_ms = int((now_s + ttl_s) * 1000)
-        await redis.zadd(leases_key(queue), dict.fromkeys(job_ids, expiry_ms))
+        renew = redis.register_script(_RENEW)
+        await renew(keys=[leases_key(queue)], args=[int(ttl_s * 1000), *job_ids])
 
 
 async def release_lease(redis: Redis, queue: str, job_id: str) -> None:
     await redis.zrem(leases_key(queue), job_id)
 
 
-async def lease_expired(redis: Redis, queue: str, job_id: str, *, now_s: float) -> bool:
+async def lease_expired(redis: Redis, queue: str, job_id: str) -> bool:
     expiry_ms = await redis.zscore(leases_key(queue), job_id)
-    return expiry_ms is not None and expiry_ms < now_s * 1000
+    return expiry_ms is not None and expiry_ms < await redis_now_ms(redis)
 
 
 async def declare_lost(redis: Redis, log: EventLog, job_id: str, *, queue: str) -> bool:
@@ -232,9 +248,9 @@ async def declare_lost(redis: Redis, log: EventLog, job_id: str, *, queue: str) 
     return ended
 
 
-async def reap_lost_jobs(redis: Redis, log: EventLog, *, queue: str, now_s: float) -> list[str]:
+async def reap_lost_jobs(redis: Redis, log: EventLog, *, queue: str) -> list[str]:
     """Declare lost every job whose lease ran out; returns the ids this call ended."""
-    expired = await redis.zrangebyscore(leases_key(queue), "-inf", int(now_s * 1000))
+    expired = await redis.zrangebyscore(leases_key(queue), "-inf", await redis_now_ms(redis))
     ended = []
     for raw in expired:
         job_id = raw.decode() if isinstance(raw, bytes) else str(raw)

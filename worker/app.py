@@ -134,15 +134,14 @@ async def keep_alive(ctx: dict[str, Any]) -> None:
     while True:
         began = time.monotonic()
         try:
-            now = time.time()
             await renew_leases(
-                redis, settings.queue, list(ctx["running"]), ttl_s=settings.lease_ttl_s, now_s=now
+                redis, settings.queue, list(ctx["running"]), ttl_s=settings.lease_ttl_s
             )
-            for job_id in await reap_lost_jobs(
-                redis, ctx["events"], queue=settings.queue, now_s=now
-            ):
+            for job_id in await reap_lost_jobs(redis, ctx["events"], queue=settings.queue):
                 log.warning("job_lost", job_id=job_id, reason="its worker's lease ran out")
-            await publish_heartbeat(redis, describe_worker(ctx, now), ttl_s=settings.lease_ttl_s)
+            await publish_heartbeat(
+                redis, describe_worker(ctx, time.time()), ttl_s=settings.lease_ttl_s
+            )
             ctx["metrics"].waiting.set((await queue_depth(redis, settings.queue)).waiting)
         except REDIS_ERRORS as error:
             log.warning("lease_renewal_failed", error=f"{type(error).__name__}: {error}")

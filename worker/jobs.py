@@ -88,9 +88,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
     e2e_s: float | None = None  # for jobs that end with done
     try:
         # Leased at once, so a worker killed from here on is noticed (README, "Guarantees").
-        await renew_leases(
-            ctx["redis"], settings.queue, [job_id], ttl_s=settings.lease_ttl_s, now_s=time.time()
-        )
+        await renew_leases(ctx["redis"], settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(
                 ctx["engine"], settings, metrics, publisher, payload, enqueued_s
