@@ -1,11 +1,18 @@
-"""The queue's own cost: pickup latency with 0, 64 and 256 chats in flight, idle CPU of the
-worker, and how many stream events per second the publish path sustains.
+"""The queue's own cost: pickup latency with 0, 64 and 256 chats in flight and for bursts of
+64 chats submitted at once, idle CPU of the worker, and how many stream events per second the
+publish path sustains.
 
-    .venv/bin/python scripts/measure_pickup.py [--before] [--probes 30]
+    .venv/bin/python scripts/measure_pickup.py [--before] [--probes 30] [--bursts 5]
 
 Pickup is the worker's own `queued_ms` (enqueue → the chat job starts), to the microsecond.
 `--before` runs the worker with EDGEQ_FAST_PICKUP=false: arq's own polling (every
-EDGEQ_POLL_DELAY_MS) and its per-poll re-check of every running job.
+EDGEQ_POLL_DELAY_MS), its per-poll re-check of every running job and its one-job-at-a-time
+claim. A PYTHONPATH in the environment is passed to the worker, so an older checkout's worker
+can be measured with this script: run it from outside any checkout (the worker's `python -m`
+puts the current directory first), e.g.
+
+    cd /tmp && PYTHONPATH=/path/to/old-worktree /path/to/.venv/bin/python \
+        /path/to/edgeq/scripts/measure_pickup.py
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from worker.tiny_model import make_tiny_model
 
 QUEUE = "edgeq:pickup"
 IN_FLIGHT = (0, 64, 256)
+BURST = 64
+BURST_TOKENS = 128  # the first chats of a burst stream while the last ones are taken
 HOLD_TOKENS = 480  # long enough that the in-flight chats outlast the probes
 IDLE_SAMPLE_S = 10.0
 PUBLISHERS, EVENTS_EACH = 64, 500
@@ -72,6 +81,19 @@ async def measure_pickup(client: ChatClient, probes: int) -> dict[int, list[floa
     return figures
 
 
+async def measure_bursts(client: ChatClient, bursts: int) -> list[float]:
+    """Pickup of every chat in ``bursts`` bursts of BURST chats submitted at once."""
+    samples: list[float] = []
+    for index in range(bursts):
+        jobs = await asyncio.gather(
+            *(client.submit(f"burst {index}.{n}", max_tokens=BURST_TOKENS) for n in range(BURST))
+        )
+        results = await asyncio.gather(*(job.result() for job in jobs))
+        samples += [result.timings.queued_ms for result in results]
+        await asyncio.sleep(0.5)  # back to idle
+    return samples
+
+
 async def measure_publish(redis_url: str, *, unbatched: bool) -> float:
     async with ChatClient(redis_url=redis_url, queue=QUEUE) as client:
         log = EventLog(client.redis, replay_ttl_s=60, batched=not unbatched)
@@ -89,6 +111,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", action="store_true", help="EDGEQ_FAST_PICKUP=false")
     parser.add_argument("--probes", type=int, default=30)
+    parser.add_argument("--bursts", type=int, default=5)
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="edgeq-pickup-"))
     model = make_tiny_model(scratch / "tiny-model").directory
@@ -101,6 +124,8 @@ def main() -> int:
     }
     if args.before:
         env["EDGEQ_FAST_PICKUP"] = "false"
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     worker = WorkerProcess(env, scratch / "worker.log").start()
     try:
         worker.wait_ready()
@@ -109,11 +134,12 @@ def main() -> int:
         time.sleep(IDLE_SAMPLE_S)
         idle_pct = (cpu_seconds(worker.process.pid) - before) / IDLE_SAMPLE_S * 100
 
-        async def pickup() -> dict[int, list[float]]:
+        async def pickup() -> tuple[dict[int, list[float]], list[float]]:
             async with ChatClient(redis_url=redis_server.url, queue=QUEUE, max_queue=0) as client:
-                return await measure_pickup(client, args.probes)
+                in_flight = await measure_pickup(client, args.probes)
+                return in_flight, await measure_bursts(client, args.bursts)
 
-        figures = asyncio.run(pickup())
+        figures, burst_samples = asyncio.run(pickup())
     finally:
         worker.stop()
     batched = asyncio.run(measure_publish(redis_server.url, unbatched=False))
@@ -129,6 +155,10 @@ def main() -> int:
             f"| {in_flight} | {statistics.median(samples):.3f} | "
             f"{percentile(samples, 0.99):.3f} | {max(samples):.3f} |"
         )
+    print(
+        f"| burst of {BURST} at once ({args.bursts}×) | {statistics.median(burst_samples):.3f} | "
+        f"{percentile(burst_samples, 0.99):.3f} | {max(burst_samples):.3f} |"
+    )
     print(f"\nidle worker process: {idle_pct:.2f} % of one core over {IDLE_SAMPLE_S:g} s")
     print(
         f"publish path, {PUBLISHERS} concurrent jobs: {batched:,.0f} events/s batched "
