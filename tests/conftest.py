@@ -5,10 +5,12 @@ suite's biggest cost)."""
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis
 
 from helpers import FIGURES, engine_env
 from producer.client import ChatClient
@@ -35,6 +37,20 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """A plain client of the session's redis-server (the shared worker's Redis too)."""
+    connection = Redis.from_url(redis_server.url)
+    yield connection
+    await connection.aclose()
+
+
+@pytest.fixture
+def queue() -> str:
+    """A queue name no other test uses."""
+    return f"edgeq:test-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session")

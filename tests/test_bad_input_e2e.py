@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -33,13 +32,6 @@ BAD_REQUESTS = [
 ]
 # ChatClient.submit takes a plain string as the prompt, so this one only exists on the wire.
 BAD_ON_THE_WIRE_ONLY = [({"messages": "hi"}, "messages")]
-
-
-@pytest.fixture
-async def redis(worker) -> AsyncIterator[Redis]:
-    connection = Redis.from_url(worker.env["EDGEQ_REDIS_URL"])
-    yield connection
-    await connection.aclose()
 
 
 async def assert_worker_still_serves(client: ChatClient) -> None:

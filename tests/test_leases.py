@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -20,18 +18,6 @@ from producer.streams import (
     redis_now_ms,
     renew_leases,
 )
-
-
-@pytest.fixture
-async def redis(redis_server) -> AsyncIterator[Redis]:
-    connection = Redis.from_url(redis_server.url)
-    yield connection
-    await connection.aclose()
-
-
-@pytest.fixture
-def queue() -> str:
-    return f"edgeq:leases-{uuid.uuid4().hex[:8]}"
 
 
 async def test_a_renewal_counts_from_when_redis_records_it_whatever_the_worker_clock(

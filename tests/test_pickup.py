@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
-import pytest
 from redis.asyncio import Redis
 
 from producer.protocol import in_progress_key
@@ -15,18 +13,6 @@ from worker.pickup import claim_due_jobs
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000
-
-
-@pytest.fixture
-async def redis(redis_server) -> AsyncIterator[Redis]:
-    connection = Redis.from_url(redis_server.url)
-    yield connection
-    await connection.aclose()
-
-
-@pytest.fixture
-def queue() -> str:
-    return f"edgeq:claim-{uuid.uuid4().hex[:8]}"
 
 
 async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -20,13 +19,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-async def redis(redis_server) -> AsyncIterator[Redis]:
-    connection = Redis.from_url(redis_server.url)
-    yield connection
-    await connection.aclose()
 
 
 async def subscribed(redis: Redis, job_id: str) -> PubSub:
