@@ -7,9 +7,9 @@ publish path sustains.
 Pickup is the worker's own `queued_ms` (enqueue → the chat job starts), to the microsecond.
 `--before` runs the worker with EDGEQ_FAST_PICKUP=false: arq's own polling (every
 EDGEQ_POLL_DELAY_MS), its per-poll re-check of every running job and its one-job-at-a-time
-claim. A PYTHONPATH in the environment is passed to the worker, so an older checkout's worker
-can be measured with this script: run it from outside any checkout (the worker's `python -m`
-puts the current directory first), e.g.
+claim. The worker inherits this script's environment, PYTHONPATH included, so an older
+checkout's worker can be measured with it: run it from outside any checkout (the worker's
+`python -m` puts the current directory first), e.g.
 
     cd /tmp && PYTHONPATH=/path/to/old-worktree /path/to/.venv/bin/python \
         /path/to/edgeq/scripts/measure_pickup.py
@@ -124,8 +124,6 @@ def main() -> int:
     }
     if args.before:
         env["EDGEQ_FAST_PICKUP"] = "false"
-    if "PYTHONPATH" in os.environ:
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     worker = WorkerProcess(env, scratch / "worker.log").start()
     try:
         worker.wait_ready()

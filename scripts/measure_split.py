@@ -4,9 +4,9 @@ many chats, and how long the chats waited in the queue.
     .venv/bin/python scripts/measure_split.py [--runs 3] [--chats 80] [--max-tokens 300]
 
 Each run starts Redis and two workers (tiny model, max_jobs 64 each), submits the burst at
-once and waits for every answer; chats that end with an error are counted by code. A
-PYTHONPATH in the environment is passed to the workers, so an older checkout can be measured;
-run from outside any checkout (see measure_pickup.py).
+once and waits for every answer; chats that end with an error are counted by code. The
+workers inherit this script's environment, PYTHONPATH included, so an older checkout can be
+measured; run from outside any checkout (see measure_pickup.py).
 """
 
 from __future__ import annotations
@@ -60,8 +60,6 @@ async def submit_burst(
 def run_once(model: Path, scratch: Path, args: argparse.Namespace) -> str:
     redis_server = RedisServer().start()
     env = tiny_model_env(model, redis_server.url, QUEUE) | {"EDGEQ_MAX_MODEL_LEN": "512"}
-    if "PYTHONPATH" in os.environ:
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     workers = [WorkerProcess(env, scratch / f"worker-{n}.log") for n in range(WORKERS)]
     try:
         for worker in workers:
