@@ -1,6 +1,6 @@
 """``edgeq bench``: build the workload, run each mode in turn, print and save the figures.
 
-The parser lives in ``producer/cli.py``; this module is imported only when the command runs.
+The parser lives in ``edgeq.bench.commands``; this module is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -15,13 +15,26 @@ from typing import Any
 from dotenv import dotenv_values
 from tqdm import tqdm
 
-from bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
-from bench.records import ModeRun
-from bench.report import build_report, format_table, plot_runs, write_json
-from bench.runners import ModeKind, ModePlan, run_plan
-from bench.workload import Workload, WorkloadError, WorkloadSpec, build_workload, load_tokenizer
-from producer.cli import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, EXIT_USAGE
-from producer.settings import ConfigError, load_settings
+from edgeq.bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
+from edgeq.bench.records import ModeRun
+from edgeq.bench.report import build_report, format_table, plot_runs, write_json
+from edgeq.bench.runners import ModeKind, ModePlan, run_plan
+from edgeq.bench.workload import (
+    Workload,
+    WorkloadError,
+    WorkloadSpec,
+    build_workload,
+    load_tokenizer,
+)
+from edgeq.core.errors import ConfigError
+from edgeq.core.settings import load_settings
+from edgeq.exit_codes import (
+    EXIT_CONFIG,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+)
 
 #: The shell's status for a run ended by Ctrl-C (128 + SIGINT), as ``edgeq chat`` returns.
 
@@ -103,7 +116,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
 
 def default_model() -> str:
     """EDGEQ_MODEL (environment or .env), the model a worker on this box would load."""
-    from worker.settings import WorkerSettings  # settings only: no engine is imported
+    from edgeq.worker.settings import WorkerSettings  # settings only: no engine is imported
 
     return load_settings(WorkerSettings).model
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.records import RequestRecord
+from edgeq.bench.records import RequestRecord
 
 MS_PER_S = 1000.0
 #: The tails reported next to the median: the seed article quotes p90 and p99.

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.metrics import PERCENTILES, BenchMetrics, percentile_word
-from bench.records import ModeRun
+from edgeq.bench.metrics import PERCENTILES, BenchMetrics, percentile_word
+from edgeq.bench.records import ModeRun
 
 #: Failed requests quoted per mode under the table (vLLM caps its list at 10 too).
 MAX_ERRORS_SHOWN = 10

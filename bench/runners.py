@@ -23,11 +23,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.records import ModeRun, RequestRecord
-from bench.targets import ChunkClock, DirectTarget, OpenAITarget, QueueTarget, Target
-from bench.workload import BenchRequest, Workload
-from producer.settings import ConnectionSettings, load_settings
-from worker.localrun import RedisServer, WorkerProcess
+from edgeq.bench.records import ModeRun, RequestRecord
+from edgeq.bench.targets import ChunkClock, DirectTarget, OpenAITarget, QueueTarget, Target
+from edgeq.bench.workload import BenchRequest, Workload
+from edgeq.core.settings import ConnectionSettings, load_settings
+from edgeq.testing.processes import RedisServer, WorkerProcess
 
 #: Long enough to check a target really generates, short enough to cost nothing.
 WARMUP_MAX_TOKENS = 4
@@ -224,7 +224,7 @@ def run_plan(
                 run_target(QueueTarget(settings, plan.name), workload, users, progress)
             )
         if plan.kind is ModeKind.DIRECT:
-            from worker.settings import WorkerSettings
+            from edgeq.worker.settings import WorkerSettings
 
             direct = DirectTarget(load_settings(WorkerSettings, model=workload.model))
             return asyncio.run(run_target(direct, workload, users, progress))

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from bench.workload import BenchRequest
-from producer.client import ChatClient
-from producer.protocol import ChatRequest, DeltaEvent, DoneEvent, ErrorEvent
-from producer.settings import ConnectionSettings, redacted_url
+from edgeq.bench.workload import BenchRequest
+from edgeq.core.protocol import ChatRequest, DeltaEvent, DoneEvent, ErrorEvent
+from edgeq.core.settings import ConnectionSettings, redacted_url
+from edgeq.producer.client import ChatClient
 
 if TYPE_CHECKING:
-    from worker.engine import ChatEngine
-    from worker.settings import WorkerSettings
+    from edgeq.worker.engine import ChatEngine
+    from edgeq.worker.settings import WorkerSettings
 
 #: How long an OpenAI stream may stay silent: edgeq's default EDGEQ_STREAM_TIMEOUT_S, so both
 #: paths give up on a stuck server alike.
@@ -187,7 +187,7 @@ class DirectTarget:
     async def __aenter__(self) -> DirectTarget:
         # vLLM reads these when it is first imported and when it spawns its engine process.
         with environment_defaults(VLLM_LOG_DEFAULTS):
-            from worker.engine import ChatEngine  # imports vLLM: only when this mode runs
+            from edgeq.worker.engine import ChatEngine  # imports vLLM: only when this mode runs
 
             # No local name for the engine: this method's frame stays referenced after it
             # returns (seen with vLLM 0.32), and a local there would keep the engine alive

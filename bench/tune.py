@@ -7,7 +7,7 @@ whose worker does not start (vLLM refuses chunked prefill off with a budget belo
 is reported as ``invalid: <reason>`` and the sweep goes on. The best is the highest goodput
 under the SLOs, ties broken by output tokens per second; it is written as an env file.
 
-The parser lives in ``producer/cli.py``; this module is imported only when the command runs.
+The parser lives in ``edgeq.bench.commands``; this module is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.cli import (
+from edgeq.bench.cli import (
     ProgressBar,
     UsageError,
     default_model,
@@ -33,19 +33,19 @@ from bench.cli import (
     setup_failed,
     workload_spec,
 )
-from bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
-from bench.records import ModeRun
-from bench.report import describe_workload, load_pyplot, save_figure
-from bench.runners import ModeKind, ModePlan, Progress, run_plan
-from bench.workload import Workload, WorkloadError
-from producer.cli import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
-from producer.settings import ENV_PREFIX, ConfigError, ConnectionSettings, load_settings
+from edgeq.bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
+from edgeq.bench.records import ModeRun
+from edgeq.bench.report import describe_workload, load_pyplot, save_figure
+from edgeq.bench.runners import ModeKind, ModePlan, Progress, run_plan
+from edgeq.bench.workload import Workload, WorkloadError
+from edgeq.core.errors import ConfigError
+from edgeq.core.settings import ENV_PREFIX, ConnectionSettings, load_settings
+from edgeq.exit_codes import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK
 
 #: What the sweep varies, in the order the table and the env file show them.
 KNOBS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "block_size")
 #: The SLOs when none are given: the example of README's "Benchmark" section.
 DEFAULT_SLOS = ("ttft:500", "e2el:3000")
-ON_OFF = {"on": True, "off": False, "true": True, "false": False}
 #: A reason longer than this is cut in the table (the worker's log has the rest).
 REASON_CHARS = 160
 #: The line `edgeq worker` prints on stderr when it stops before it is ready.
@@ -110,27 +110,6 @@ def as_env(settings: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def parse_int_list(text: str) -> list[int]:
-    """``"16,32,64"`` → ``[16, 32, 64]`` (argparse type)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return values
-
-
-def parse_on_off_list(text: str) -> list[bool]:
-    """``"on,off"`` → ``[True, False]`` (argparse type)."""
-    values = []
-    for part in (part.strip().lower() for part in text.split(",")):
-        if part not in ON_OFF:
-            raise argparse.ArgumentTypeError(f"expected on and/or off, comma-separated: {text!r}")
-        values.append(ON_OFF[part])
-    return values
-
-
 def sweep_configs(
     max_num_seqs: Sequence[int],
     budgets: Sequence[int],
@@ -148,7 +127,7 @@ def sweep_configs(
 def refusal(config: TuneConfig, base: Mapping[str, Any]) -> str | None:
     """Why WorkerSettings refuses the configuration (with the environment's own settings and
     ``base``), or None. Cheap: no engine is involved."""
-    from worker.settings import WorkerSettings  # settings only: no engine is imported
+    from edgeq.worker.settings import WorkerSettings  # settings only: no engine is imported
 
     try:
         load_settings(WorkerSettings, **{**base, **config.settings()})
@@ -421,7 +400,7 @@ def plot_tune(
 def fixed_settings(model: str) -> dict[str, Any]:
     """Engine settings in force while measuring that the sweep does not vary: whatever the
     environment or .env set (a profile's presets included), plus the model."""
-    from worker.settings import WorkerSettings
+    from edgeq.worker.settings import WorkerSettings
 
     base = load_settings(WorkerSettings, model=model)
     skip = set(ConnectionSettings.model_fields) | set(KNOBS)

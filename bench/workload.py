@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from producer.protocol import ChatMessage
+from edgeq.core.protocol import ChatMessage
 
 #: A word is one letter-only vocabulary entry that starts with a space; in byte-level BPE
 #: vocabularies (Qwen, GPT) the space is spelled "Ġ", in SentencePiece ones "▁".

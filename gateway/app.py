@@ -26,7 +26,26 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.openai_api import (
+from edgeq.core.connection import redis_errors
+from edgeq.core.errors import (
+    EdgeqError,
+    InvalidRequest,
+    JobFailed,
+    JobTimeout,
+    QueueFull,
+    RedisUnavailable,
+)
+from edgeq.core.protocol import (
+    ChatResult,
+    DeltaEvent,
+    DoneEvent,
+    ErrorCode,
+    ErrorEvent,
+    StreamEvent,
+    dump_json,
+)
+from edgeq.core.registry import live_workers
+from edgeq.gateway.openai_api import (
     ChatCompletionRequest,
     ErrorType,
     UnsupportedField,
@@ -36,19 +55,8 @@ from gateway.openai_api import (
     now_s,
     usage_json,
 )
-from gateway.settings import GatewaySettings
-from producer.client import ChatClient, ChatJob, InvalidRequest, redis_errors
-from producer.errors import EdgeqError, JobFailed, JobTimeout, QueueFull, RedisUnavailable
-from producer.protocol import (
-    ChatResult,
-    DeltaEvent,
-    DoneEvent,
-    ErrorCode,
-    ErrorEvent,
-    StreamEvent,
-    dump_json,
-)
-from producer.workers import live_workers
+from edgeq.gateway.settings import GatewaySettings
+from edgeq.producer.client import ChatClient, ChatJob
 
 #: HTTP status for each way a job can end without an answer. OpenAI SDKs retry 429 and 5xx
 #: on their own, so only the codes that are safe to retry get a 5xx.

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from producer.protocol import ChatResult, DoneEvent
+from edgeq.core.protocol import ChatResult, DoneEvent
 
 # A role OpenAI has that means the same as one of edgeq's.
 ROLE_ALIASES = {"developer": "system"}

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
-from producer.logs import LogLevel
-from producer.settings import ConnectionSettings
+from edgeq.core.logs import LogLevel
+from edgeq.core.settings import ConnectionSettings
 
 CommaList = Annotated[list[str], NoDecode]
 

@@ -17,26 +17,27 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import redis.exceptions
-from arq.connections import ArqRedis
 from pydantic import ValidationError
-from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
-from producer.errors import (
+from edgeq.core.connection import make_redis, redis_errors
+from edgeq.core.errors import (
     EdgeqError,
+    InvalidRequest,
     JobFailed,
     JobTimeout,
     QueueFull,
     RedisUnavailable,
     StreamBroken,
 )
-from producer.protocol import (
+from edgeq.core.events import EventLog, finished_with, read_events
+from edgeq.core.keys import stream_channel
+from edgeq.core.leases import declare_lost, lease_expired
+from edgeq.core.protocol import (
     ChatMessage,
     ChatRequest,
     ChatResult,
@@ -48,113 +49,16 @@ from producer.protocol import (
     describe_validation_error,
     dump_json,
     limit_problem,
-    load_json,
-    stream_channel,
 )
-from producer.queue import Enqueued, JobQueue
-from producer.sentinel import is_sentinel_url, parse_sentinel_url
-from producer.settings import ConnectionSettings, load_settings, redacted_url
-from producer.streams import EventLog, declare_lost, finished_with, lease_expired, read_events
+from edgeq.core.settings import ConnectionSettings, load_settings
+from edgeq.producer.queue import Enqueued, JobQueue
 
-# A dead connection is noticed within this long even while a stream sits idle.
-REDIS_HEALTH_CHECK_INTERVAL_S = 15
 # While a stream is idle, how often to check that the job's worker still holds its lease.
 LEASE_CHECK_INTERVAL_S = 1.0
 # After a dropped connection, how long to wait between attempts to get the stream back.
 RECONNECT_DELAY_S = 0.25
 
 MessagesLike = str | ChatRequest | Sequence[ChatMessage | Mapping[str, Any]]
-
-
-class InvalidRequest(EdgeqError, ValueError):
-    """The request was refused before it was enqueued; the message names the field."""
-
-
-def make_redis(
-    settings: ConnectionSettings,
-    *,
-    job_serializer: Callable[[Any], bytes] = dump_json,
-    job_deserializer: Callable[[bytes], Any] = load_json,
-) -> ArqRedis:
-    """One pooled client (arq's Redis subclass, JSON serializers) for a process or a client.
-
-    With a ``redis+sentinel://`` URL the pool asks the Sentinels where the master is before
-    each new connection, and again after a failover (as arq's own ``create_pool`` does).
-    """
-    sockets: dict[str, Any] = {
-        "socket_connect_timeout": settings.redis_connect_timeout_s,
-        "socket_timeout": settings.redis_socket_timeout_s,
-        "socket_keepalive": True,
-    }
-    if not is_sentinel_url(settings.redis_url):
-        pool = ConnectionPool.from_url(
-            settings.redis_url, health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S, **sockets
-        )
-        return ArqRedis(
-            pool,
-            job_serializer=job_serializer,
-            job_deserializer=job_deserializer,
-            default_queue_name=settings.queue,
-        )
-    target = parse_sentinel_url(settings.redis_url)
-    sentinels = Sentinel(
-        target.hosts,
-        sentinel_kwargs={
-            **sockets,
-            "username": target.sentinel_username,
-            "password": target.sentinel_password,
-        },
-    )
-    redis = sentinels.master_for(
-        target.service_name,
-        redis_class=ArqRedis,
-        connection_pool_class=_SentinelPool,
-        db=target.db,
-        username=target.username,
-        password=target.password,
-        ssl=target.ssl,
-        health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S,
-        **sockets,
-    )
-    redis.job_serializer = job_serializer
-    redis.job_deserializer = job_deserializer
-    redis.default_queue_name = settings.queue
-    return redis
-
-
-class _SentinelPool(SentinelConnectionPool):
-    """Closing the client closes its connections to the Sentinels too (redis-py leaves them
-    open); they reopen if the client is used again."""
-
-    async def disconnect(self, inuse_connections: bool = True) -> None:
-        await super().disconnect(inuse_connections)
-        if inuse_connections:  # closing, not just dropping idle links to a former master
-            for sentinel in self.sentinel_manager.sentinels:
-                await sentinel.connection_pool.disconnect()
-
-
-@contextmanager
-def redis_errors(url: str) -> Iterator[None]:
-    """Turn redis-py's exceptions into RedisUnavailable with the (redacted) URL in the message."""
-    try:
-        yield
-    except redis.exceptions.AuthenticationError as error:
-        raise RedisUnavailable(
-            f"Redis at {redacted_url(url)} refused the credentials: {error}"
-        ) from None
-    except redis.exceptions.ResponseError as error:
-        if "NOPERM" in str(error) or "NOAUTH" in str(error):
-            raise RedisUnavailable(
-                f"Redis at {redacted_url(url)} refused the command: {error}"
-            ) from None
-        raise
-    except MasterNotFoundError as error:  # a ConnectionError: no Sentinel named a master
-        raise RedisUnavailable(
-            f"the Sentinels at {redacted_url(url)} named no master: {error} (check the service "
-            f"name, the Sentinels' host:port and ?sentinel_password= in EDGEQ_REDIS_URL)"
-        ) from None
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
-        raise RedisUnavailable(f"cannot reach Redis at {redacted_url(url)}: {error}") from None
 
 
 def build_request(messages: MessagesLike, **fields: Any) -> ChatRequest:
@@ -335,9 +239,7 @@ class ChatClient:
         self.settings = settings
         self.redis = make_redis(settings)
         self.queue = JobQueue(self.redis, settings.queue)
-        self.events = EventLog(
-            self.redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue
-        )
+        self.events = EventLog(self.redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue)
 
     @classmethod
     def from_url(cls, redis_url: str, **overrides: Any) -> ChatClient:

@@ -13,8 +13,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from producer.protocol import JOB_FUNCTION, ErrorEvent, dump_json, job_key
-from producer.streams import EventLog, StreamClosed
+from edgeq.core.errors import StreamClosed
+from edgeq.core.events import EventLog
+from edgeq.core.keys import job_key, wake_channel
+from edgeq.core.protocol import JOB_FUNCTION, ErrorEvent, dump_json
 
 _ENQUEUE = """
 local limit = tonumber(ARGV[4])
@@ -25,11 +27,6 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[5])
 redis.call('PUBLISH', ARGV[6], '')
 return 1
 """
-
-
-def wake_channel(queue: str) -> str:
-    """Idle workers wait on this channel; a producer publishes on it after each enqueue."""
-    return f"{queue}:wake"
 
 
 class Enqueued(IntEnum):

@@ -7,8 +7,8 @@ import time
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
-from producer.settings import ConnectionSettings, redacted_url
-from producer.workers import QueueDepth, WorkerInfo, live_workers, queue_depth, recent_outcomes
+from edgeq.core.registry import QueueDepth, WorkerInfo, live_workers, queue_depth, recent_outcomes
+from edgeq.core.settings import ConnectionSettings, redacted_url
 
 #: The windows "recent outcomes" are counted over, by name.
 OUTCOME_WINDOWS_S = {"last_5m": 300, "last_1h": 3600}

@@ -12,7 +12,7 @@ It is not a second implementation of the protocol: each client runs one ``ChatCl
 event loop in a background thread (an anyio blocking portal) and every method waits for its
 async twin there. So the guarantees, the settings and the exceptions are exactly the async
 client's: ``InvalidRequest``, ``QueueFull``, ``JobFailed``, ``JobTimeout``,
-``RedisUnavailable``, ``StreamBroken`` (``producer.errors``), ``ConfigError`` at construction.
+``RedisUnavailable``, ``StreamBroken`` (``edgeq.core.errors``), ``ConfigError`` at construction.
 
 Create one client per process and share it between threads: calls from any number of threads
 run concurrently on the one loop and its one Redis connection pool. A ``SyncChatJob`` belongs to
@@ -21,7 +21,7 @@ still running in other threads with ``EdgeqError("the client is closed")``, clos
 and stops the thread. A client is bound to the process that created it: after a fork (for
 instance gunicorn ``--preload``) create a new one in the child.
 
-Code that runs on an event loop should use ``producer.client.ChatClient`` instead: these
+Code that runs on an event loop should use ``edgeq.ChatClient`` instead: these
 methods block the calling thread for as long as the job takes.
 """
 
@@ -39,10 +39,10 @@ from typing import Any, TypeVar
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from producer.client import ChatClient, ChatJob, MessagesLike
-from producer.errors import EdgeqError
-from producer.protocol import ChatResult, StreamEvent
-from producer.settings import ConnectionSettings
+from edgeq.core.errors import EdgeqError
+from edgeq.core.protocol import ChatResult, StreamEvent
+from edgeq.core.settings import ConnectionSettings
+from edgeq.producer.client import ChatClient, ChatJob, MessagesLike
 
 T = TypeVar("T")
 

@@ -12,10 +12,11 @@ from urllib.parse import urlsplit
 
 import redis
 
-from producer.sentinel import is_sentinel_url
-from producer.settings import ConfigError, load_settings, redacted_url
-from worker.localrun import RedisServer, WorkerFailed, WorkerProcess
-from worker.settings import WorkerSettings
+from edgeq.core.errors import ConfigError
+from edgeq.core.sentinel import is_sentinel_url
+from edgeq.core.settings import load_settings, redacted_url
+from edgeq.testing.processes import RedisServer, WorkerFailed, WorkerProcess
+from edgeq.worker.settings import WorkerSettings
 
 DEMO_DIR = Path(".demo")
 PROMPT = "In one sentence, what is a job queue good for?"
@@ -70,7 +71,7 @@ def choose_model(model: str) -> tuple[str, dict[str, str]]:
         tiny = DEMO_DIR / "tiny-model"
         say(f"{model} is not available here ({type(error).__name__})")
         say(f"using the generated tiny model in {tiny}: random weights, so its answer is noise")
-        subprocess.run([sys.executable, "-m", "producer.cli", "make-tiny-model", str(tiny)],
+        subprocess.run([sys.executable, "-m", "edgeq", "make-tiny-model", str(tiny)],
                        check=True)  # fmt: skip
         return str(tiny.resolve()), {"HF_HUB_OFFLINE": "1"}
 
@@ -91,7 +92,7 @@ def main() -> int:
         say(f"worker ready after {ready['since_process_start_s']} s; sending one chat:")
         print(f"\n  you> {PROMPT}\n  edgeq> ", end="", flush=True)
         chat = subprocess.run(
-            [sys.executable, "-m", "producer.cli", "chat", PROMPT, "--max-tokens", "64"],
+            [sys.executable, "-m", "edgeq", "chat", PROMPT, "--max-tokens", "64"],
             env={**os.environ, **env},
         )
         print()

@@ -22,10 +22,10 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from producer.client import ChatClient
-from producer.protocol import ChatRequest, DeltaEvent, DoneEvent
-from worker.localrun import RedisServer, WorkerProcess, tiny_model_env
-from worker.tiny_model import make_tiny_model
+from edgeq.core.protocol import ChatRequest, DeltaEvent, DoneEvent
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess, tiny_model_env
+from edgeq.testing.tiny_model import make_tiny_model
 
 SINGLE_CHATS = 20
 SINGLE_TOKENS = 16
@@ -95,9 +95,9 @@ async def workload(
 async def run_direct(model: str, chats: int, tokens: int) -> tuple[float, dict[str, float]]:
     began = time.perf_counter()  # like the worker's figure: vLLM's import included
     os.environ.update(engine_env(model, "redis://unused"))
-    from producer.settings import load_settings
-    from worker.engine import ChatEngine
-    from worker.settings import WorkerSettings
+    from edgeq.core.settings import load_settings
+    from edgeq.worker.engine import ChatEngine
+    from edgeq.worker.settings import WorkerSettings
 
     engine = await ChatEngine.start(load_settings(WorkerSettings))
     await engine.warm_up()

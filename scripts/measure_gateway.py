@@ -27,11 +27,11 @@ from pathlib import Path
 import httpx
 import openai
 
-from producer.client import ChatClient, ChatJob
-from producer.protocol import DeltaEvent, DoneEvent, Timings, Usage
-from producer.streams import StreamClosed
-from worker.localrun import GatewayProcess, RedisServer, WorkerProcess, tiny_model_env
-from worker.tiny_model import make_tiny_model
+from edgeq.core.errors import StreamClosed
+from edgeq.core.protocol import DeltaEvent, DoneEvent, Timings, Usage
+from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess, tiny_model_env
+from edgeq.testing.tiny_model import make_tiny_model
 
 MAX_TOKENS = 32
 SEED = 8  # the tiny model runs MAX_TOKENS tokens without an end-of-turn on this seed
@@ -258,7 +258,7 @@ def main() -> int:
             page = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics").text
             wanted = ("edgeq:", "vllm:kv_cache_usage_perc")
             print("\n".join(line for line in page.splitlines() if line.startswith(wanted)))
-            status = [sys.executable, "-m", "producer.cli", "status"]
+            status = [sys.executable, "-m", "edgeq", "status"]
             print(subprocess.run(status, env=env, capture_output=True, text=True).stdout)
     finally:
         for gateway in gateways:

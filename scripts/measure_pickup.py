@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from producer.client import ChatClient
-from producer.protocol import DeltaEvent
-from producer.streams import EventLog
-from worker.localrun import RedisServer, WorkerProcess, tiny_model_env
-from worker.tiny_model import make_tiny_model
+from edgeq.core.events import EventLog
+from edgeq.core.protocol import DeltaEvent
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess, tiny_model_env
+from edgeq.testing.tiny_model import make_tiny_model
 
 QUEUE = "edgeq:pickup"
 IN_FLIGHT = (0, 64, 256)

@@ -21,10 +21,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from producer.client import ChatClient
-from producer.errors import JobFailed
-from worker.localrun import RedisServer, WorkerProcess, tiny_model_env
-from worker.tiny_model import make_tiny_model
+from edgeq.core.errors import JobFailed
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess, tiny_model_env
+from edgeq.testing.tiny_model import make_tiny_model
 
 QUEUE = "edgeq:split"
 WORKERS = 2

@@ -23,4 +23,4 @@ if [ "$engine" = cpu ]; then
     "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
 fi
 # Fail here, with the import error, rather than in the middle of the tests.
-"$VENV/bin/python" -c "import vllm, producer.client, worker.engine"
+"$VENV/bin/python" -c "import vllm, edgeq, edgeq.worker.engine"

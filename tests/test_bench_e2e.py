@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from bench.metrics import calculate_metrics
-from bench.records import ModeRun
-from bench.runners import run_target
-from bench.targets import DirectTarget, QueueTarget
-from bench.workload import Workload, WorkloadSpec, build_workload, load_tokenizer
+from edgeq.bench.metrics import calculate_metrics
+from edgeq.bench.records import ModeRun
+from edgeq.bench.runners import run_target
+from edgeq.bench.targets import DirectTarget, QueueTarget
+from edgeq.bench.workload import Workload, WorkloadSpec, build_workload, load_tokenizer
+from edgeq.core.settings import ConnectionSettings, load_settings
+from edgeq.testing.processes import WorkerProcess
+from edgeq.worker.settings import WorkerSettings
 from helpers import EDGEQ, TEST_MAX_MODEL_LEN
-from producer.settings import ConnectionSettings, load_settings
-from worker.localrun import WorkerProcess
-from worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.engine
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.metrics import (
+from edgeq.bench.metrics import (
     calculate_metrics,
     distribution,
     meets_slos,
@@ -15,8 +15,8 @@ from bench.metrics import (
     percentile_word,
     tpot_s,
 )
-from bench.records import RequestRecord
-from bench.runners import user_schedule
+from edgeq.bench.records import RequestRecord
+from edgeq.bench.runners import user_schedule
 
 
 def ok(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import (
+from edgeq.bench.workload import (
     PromptMeter,
     WorkloadError,
     WorkloadSpec,

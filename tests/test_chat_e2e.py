@@ -13,6 +13,8 @@ import time
 import pytest
 from redis.asyncio import Redis
 
+from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent
+from edgeq.producer.client import ChatClient
 from helpers import (
     EDGEQ,
     FULL_LENGTH_SEEDS,
@@ -21,8 +23,6 @@ from helpers import (
     assert_intact,
     run_raw_job,
 )
-from producer.client import ChatClient
-from producer.protocol import DeltaEvent, DoneEvent, StreamEvent
 
 pytestmark = pytest.mark.engine
 

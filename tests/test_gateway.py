@@ -18,11 +18,18 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
+from edgeq.core.errors import StreamClosed
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import (
+    GatewayProcess,
+    RedisServer,
+    WorkerProcess,
+    free_port,
+    stop_process,
+    wait_for_port,
+)
 from helpers import EDGEQ, FIGURES, FULL_LENGTH_SEEDS
-from producer.client import ChatClient
-from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
-from producer.streams import StreamClosed
-from worker.localrun import GatewayProcess, RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.engine
 
@@ -407,6 +414,27 @@ def test_a_port_already_taken_is_a_clear_error_with_exit_69(redis_server: RedisS
     assert ran.returncode == 69
     assert f"could not start on 127.0.0.1:{port}" in ran.stderr
     assert "EDGEQ_GATEWAY_PORT" in ran.stderr
+
+
+def test_host_and_port_flags_win_over_the_settings(
+    redis_server: RedisServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`edgeq gateway --host H --port P`, as `vllm serve` and uvicorn take them."""
+    flagged, configured = free_port(), free_port()
+    env = {**os.environ, "EDGEQ_REDIS_URL": redis_server.url, "EDGEQ_MODEL": str(tiny_model),
+           "EDGEQ_GATEWAY_HOST": "127.0.0.2", "EDGEQ_GATEWAY_PORT": str(configured)}  # fmt: skip
+    with (tmp_path / "gateway.log").open("wb") as log:
+        process = subprocess.Popen(
+            [*EDGEQ, "gateway", "--host", "127.0.0.1", "--port", str(flagged)],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for_port(flagged, timeout_s=60)
+        assert httpx.get(f"http://127.0.0.1:{flagged}/health", timeout=10).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.2:{configured}/health", timeout=2)
+    finally:
+        stop_process(process, signal.SIGTERM)
 
 
 @pytest.mark.parametrize("stream", [False, True])

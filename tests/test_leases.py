@@ -8,16 +8,10 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from producer.protocol import ErrorEvent
-from producer.streams import (
-    EventLog,
-    lease_expired,
-    leases_key,
-    read_events,
-    reap_lost_jobs,
-    redis_now_ms,
-    renew_leases,
-)
+from edgeq.core.events import EventLog, read_events
+from edgeq.core.keys import leases_key
+from edgeq.core.leases import lease_expired, reap_lost_jobs, redis_now_ms, renew_leases
+from edgeq.core.protocol import ErrorEvent
 
 
 async def test_a_renewal_counts_from_when_redis_records_it_whatever_the_worker_clock(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.notify import keep_watchdog, notify, watchdog_interval_s
+from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
 
 
 @pytest.fixture

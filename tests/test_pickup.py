@@ -8,8 +8,8 @@ import uuid
 
 from redis.asyncio import Redis
 
-from producer.protocol import in_progress_key
-from worker.pickup import claim_due_jobs
+from edgeq.core.keys import in_progress_key
+from edgeq.worker.pickup import claim_due_jobs
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from producer.settings import ConfigError, load_settings
-from worker.settings import PROFILES, WorkerSettings
+from edgeq.core.errors import ConfigError
+from edgeq.core.settings import load_settings
+from edgeq.worker.settings import PROFILES, WorkerSettings
 
 README = Path(__file__).parent.parent / "README.md"
 

@@ -7,8 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from producer.client import InvalidRequest, build_request
-from producer.protocol import (
+from edgeq.core.errors import InvalidRequest
+from edgeq.core.keys import stream_channel
+from edgeq.core.protocol import (
     ChatRequest,
     DeltaEvent,
     DoneEvent,
@@ -19,8 +20,8 @@ from producer.protocol import (
     dump_json,
     encode_event,
     load_json,
-    stream_channel,
 )
+from edgeq.producer.client import build_request
 
 
 def test_stream_channel_is_the_documented_name() -> None:

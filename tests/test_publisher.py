@@ -8,9 +8,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from producer.protocol import Timings, Usage, stream_channel
-from producer.streams import EventLog, read_events
-from worker.publisher import StreamClosed, StreamPublisher
+from edgeq.core.errors import StreamClosed
+from edgeq.core.events import EventLog, read_events
+from edgeq.core.keys import stream_channel
+from edgeq.core.protocol import Timings, Usage
+from edgeq.worker.publisher import StreamPublisher
 
 
 class FakeClock:
@@ -86,7 +88,7 @@ async def test_a_stream_ended_elsewhere_refuses_the_workers_next_event(redis: Re
     log = EventLog(redis, replay_ttl_s=60)
     publisher = StreamPublisher(log, "p3", interval_s=0)
     await publisher.publish_text("a")
-    from producer.protocol import ErrorEvent
+    from edgeq.core.protocol import ErrorEvent
 
     await log.append(ErrorEvent(job_id="p3", seq=0, code="cancelled", message="by the client"))
     with pytest.raises(StreamClosed):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from worker.reasoning import ReasoningSplitter
+from edgeq.worker.reasoning import ReasoningSplitter
 
 
 def feed_all(splitter: ReasoningSplitter, deltas: list[str]) -> str:

@@ -19,11 +19,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from edgeq.core.errors import JobFailed
+from edgeq.core.protocol import ChatResult
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess
 from helpers import EDGEQ, FIGURES, FULL_LENGTH_SEEDS, SentinelServer, engine_env
-from producer.client import ChatClient
-from producer.errors import JobFailed
-from producer.protocol import ChatResult
-from worker.localrun import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.engine
 

@@ -14,13 +14,14 @@ import pytest
 from arq.worker import Worker, func
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from edgeq.core.connection import make_redis
+from edgeq.core.errors import ConfigError, RedisUnavailable
+from edgeq.core.protocol import DeltaEvent, DoneEvent, dump_json, load_json
+from edgeq.core.sentinel import SentinelTarget, parse_sentinel_url
+from edgeq.core.settings import ConnectionSettings, load_settings, redacted_url
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess
 from helpers import FULL_LENGTH_SEEDS, SentinelServer, free_port
-from producer.client import ChatClient, make_redis
-from producer.errors import RedisUnavailable
-from producer.protocol import DeltaEvent, DoneEvent, dump_json, load_json
-from producer.sentinel import SentinelTarget, parse_sentinel_url
-from producer.settings import ConfigError, ConnectionSettings, load_settings, redacted_url
-from worker.localrun import RedisServer, WorkerProcess
 
 SECRET = "s3cret"
 

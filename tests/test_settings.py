@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import GatewaySettings
+from edgeq.core.errors import ConfigError
+from edgeq.core.settings import ConnectionSettings, load_settings, redacted_url
+from edgeq.gateway.settings import GatewaySettings
+from edgeq.worker.settings import WorkerSettings
 from helpers import EDGEQ
-from producer.settings import ConfigError, ConnectionSettings, load_settings, redacted_url
-from worker.settings import WorkerSettings
 
 ENV_EXAMPLE = Path(__file__).parent.parent / ".env.example"
 # The worker's settings and the gateway's both extend the shared connection settings.
@@ -108,9 +109,7 @@ def test_env_example_documents_every_setting() -> None:
 def test_readme_explains_every_setting() -> None:
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     missing = [
-        f"EDGEQ_{name.upper()}"
-        for name in ALL_FIELDS
-        if f"`EDGEQ_{name.upper()}`" not in readme
+        f"EDGEQ_{name.upper()}" for name in ALL_FIELDS if f"`EDGEQ_{name.upper()}`" not in readme
     ]
     assert missing == []
 

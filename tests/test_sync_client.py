@@ -16,19 +16,20 @@ from typing import Any
 import pytest
 from redis import Redis
 
-from helpers import FULL_LENGTH_SEEDS, assert_intact
-from producer.client import InvalidRequest
-from producer.errors import EdgeqError, JobFailed, JobTimeout, QueueFull, RedisUnavailable
-from producer.protocol import (
-    ChatResult,
-    DeltaEvent,
-    DoneEvent,
-    ErrorEvent,
-    stream_channel,
+from edgeq.core.errors import (
+    ConfigError,
+    EdgeqError,
+    InvalidRequest,
+    JobFailed,
+    JobTimeout,
+    QueueFull,
+    RedisUnavailable,
 )
-from producer.settings import ConfigError
-from producer.sync_client import SyncChatClient, SyncChatJob
-from worker.localrun import RedisServer, WorkerProcess, free_port
+from edgeq.core.keys import stream_channel
+from edgeq.core.protocol import ChatResult, DeltaEvent, DoneEvent, ErrorEvent
+from edgeq.producer.sync_client import SyncChatClient, SyncChatJob
+from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
+from helpers import FULL_LENGTH_SEEDS, assert_intact
 
 # Long enough for several deltas, short enough for 2 cores.
 ANSWER_TOKENS = 64

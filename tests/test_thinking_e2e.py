@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from producer.client import ChatClient
-from producer.protocol import DeltaEvent, DoneEvent
+from edgeq.core.protocol import DeltaEvent, DoneEvent
+from edgeq.producer.client import ChatClient
 
 pytestmark = pytest.mark.engine
 

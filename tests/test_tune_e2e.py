@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from bench.metrics import calculate_metrics
-from bench.records import ModeRun, RequestRecord
-from bench.runners import ModePlan
-from bench.tune import (
+from edgeq.bench.metrics import calculate_metrics
+from edgeq.bench.records import ModeRun, RequestRecord
+from edgeq.bench.runners import ModePlan
+from edgeq.bench.tune import (
     TuneConfig,
     TuneResult,
     format_tune_table,
@@ -23,10 +23,10 @@ from bench.tune import (
     start_failure,
     sweep_configs,
 )
+from edgeq.cli import build_parser
+from edgeq.core.settings import load_settings
+from edgeq.worker.settings import WorkerSettings
 from helpers import EDGEQ, TEST_MAX_MODEL_LEN
-from producer.cli import build_parser
-from producer.settings import load_settings
-from worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.engine
 

@@ -14,6 +14,7 @@ import pytest
 from helpers import FIGURES
 
 UNITS = Path(__file__).resolve().parents[1] / "systemd"
+UNIT_SUFFIXES = (".service", ".target")  # systemd/ also holds the __init__.py of package data
 WORKER = "edgeq-worker@.service"
 GATEWAY_UNIT = "edgeq-gateway.service"
 EXEC = "/opt/edgeq/current/bin/edgeq"
@@ -22,6 +23,10 @@ MAX_EXPOSURE = 2.5
 MAX_GATEWAY_EXPOSURE = 2.0
 # One per GPU, the CPU box's, and one spanning two GPUs (tensor parallel: "0,1", escaped).
 INSTANCES = ["edgeq-worker@0.service", "edgeq-worker@cpu.service", r"edgeq-worker@0\x2c1.service"]
+
+
+def unit_files() -> list[Path]:
+    return [path for path in UNITS.iterdir() if path.suffix in UNIT_SUFFIXES]
 
 
 @pytest.fixture
@@ -34,7 +39,7 @@ def unit_dir(tmp_path: Path) -> Path:
     stub.chmod(0o755)
     units = tmp_path / "units"
     units.mkdir()
-    for unit in UNITS.iterdir():
+    for unit in unit_files():
         text = unit.read_text()
         if unit.name.endswith(".service"):
             assert text.count(f"ExecStart={EXEC} ") == 1
@@ -54,7 +59,7 @@ def analyze(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_units_are_what_the_installer_expects() -> None:
-    assert sorted(p.name for p in UNITS.iterdir()) == [
+    assert sorted(p.name for p in unit_files()) == [
         "edgeq-gateway.service",
         "edgeq-worker@.service",
         "edgeq.target",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import pickle
 
-from producer.protocol import dump_json
-from worker.wire import JobPayload, load_job
-from worker.wire import dump_json as worker_dump_json
+from edgeq.core.protocol import dump_json
+from edgeq.worker.wire import JobPayload, load_job
+from edgeq.worker.wire import dump_json as worker_dump_json
 
 
 def test_a_producer_job_decodes_to_its_request() -> None:

@@ -1,6 +1,6 @@
 """Assembling and running the arq worker around one warm engine.
 
-arq's defaults fight this design (see ../shared/notes/arq-redis.md), so each one that matters
+arq's defaults fight this design (README, "How the worker runs"), so each one that matters
 is set here on purpose: JSON instead of pickle, a short poll delay, ``max_jobs`` following the
 engine's batch, one try per chat, aborts allowed, a finite timeout, no arguments or results in
 arq's log lines.
@@ -20,17 +20,21 @@ import redis.exceptions
 import structlog
 from arq.worker import func
 
-from producer.client import make_redis
-from producer.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
-from producer.streams import EventLog, StreamClosed, reap_lost_jobs, renew_leases
-from producer.workers import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
-from worker.engine import ChatEngine, describe_device
-from worker.jobs import chat
-from worker.metrics import WorkerMetrics, serve_metrics
-from worker.notify import keep_watchdog, notify, watchdog_interval_s
-from worker.pickup import FastPickupWorker
-from worker.settings import WorkerSettings
-from worker.wire import dump_json, load_job
+from edgeq.core.connection import make_redis
+from edgeq.core.errors import StreamClosed
+from edgeq.core.events import EventLog
+from edgeq.core.keys import health_check_key
+from edgeq.core.leases import reap_lost_jobs, renew_leases
+from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
+from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
+from edgeq.worker.engine import ChatEngine, describe_device
+from edgeq.worker.jobs import chat
+from edgeq.worker.metrics import WorkerMetrics, serve_metrics
+from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
+from edgeq.worker.pickup import FastPickupWorker
+from edgeq.worker.settings import WorkerSettings
+from edgeq.worker.state import STATE_KEY, WorkerState, worker_state
+from edgeq.worker.wire import dump_json, load_job
 
 # arq's own timeout is a backstop behind the job's (which publishes a proper `timeout` event).
 ARQ_TIMEOUT_MARGIN_S = 10.0
@@ -85,9 +89,10 @@ class EdgeqWorker(FastPickupWorker):
         await super().finish_failed_job(job_id, result_data)
         code, message = early_failure(result_data)
         event = ErrorEvent(job_id=job_id, seq=0, code=code.value, message=message)
-        self.ctx["metrics"].job_ended(code.value)
+        state = worker_state(self.ctx)
+        state.metrics.job_ended(code.value)
         try:
-            await self.ctx["events"].append(event)
+            await state.events.append(event)
             log.info("job_failed", job_id=job_id, code=code.value, reason=message)
         except StreamClosed:
             pass  # already ended (cancelled, or declared lost): one terminal event only
@@ -100,14 +105,14 @@ class EdgeqWorker(FastPickupWorker):
             await asyncio.sleep(REDIS_RETRY_S)
 
     def handle_sig_wait_for_completion(self, signum: Any) -> None:
-        self.ctx["draining"].set()  # shared by reference with every running job's ctx
+        worker_state(self.ctx).draining.set()  # the one state object every job's ctx holds
         log.info("worker_draining", drain_timeout_s=self._job_completion_wait)
         notify("STOPPING=1\nSTATUS=draining")
         super().handle_sig_wait_for_completion(signum)
 
 
-def describe_worker(ctx: dict[str, Any], now_s: float) -> WorkerInfo:
-    settings: WorkerSettings = ctx["settings"]
+def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
+    settings = state.settings
     return WorkerInfo(
         worker_id=worker_id(),
         host=socket.gethostname(),
@@ -115,34 +120,33 @@ def describe_worker(ctx: dict[str, Any], now_s: float) -> WorkerInfo:
         queue=settings.queue,
         model=settings.model,
         profile=settings.profile,
-        device=ctx["device"],
-        state="draining" if ctx["draining"].is_set() else "ready",
-        running=len(ctx["running"]),
+        device=state.device,
+        state="draining" if state.draining.is_set() else "ready",
+        running=len(state.running),
         max_jobs=settings.arq_max_jobs,
         metrics_port=settings.metrics_port or None,
-        started_at=ctx["started_at"],
+        started_at=state.started_at,
         heartbeat_at=now_s,
     )
 
 
-async def keep_alive(ctx: dict[str, Any]) -> None:
+async def keep_alive(state: WorkerState) -> None:
     """Each lease period: renew the leases of this worker's running jobs, end other workers'
     lost jobs, and say this worker is alive (``edgeq status``, the gateway's /ready)."""
-    settings: WorkerSettings = ctx["settings"]
-    redis = ctx["redis"]
+    settings, redis = state.settings, state.redis
     period_s = settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL
     while True:
         began = time.monotonic()
         try:
             await renew_leases(
-                redis, settings.queue, list(ctx["running"]), ttl_s=settings.lease_ttl_s
+                redis, settings.queue, list(state.running), ttl_s=settings.lease_ttl_s
             )
-            for job_id in await reap_lost_jobs(redis, ctx["events"], queue=settings.queue):
+            for job_id in await reap_lost_jobs(redis, state.events, queue=settings.queue):
                 log.warning("job_lost", job_id=job_id, reason="its worker's lease ran out")
             await publish_heartbeat(
-                redis, describe_worker(ctx, time.time()), ttl_s=settings.lease_ttl_s
+                redis, describe_worker(state, time.time()), ttl_s=settings.lease_ttl_s
             )
-            ctx["metrics"].waiting.set((await queue_depth(redis, settings.queue)).waiting)
+            state.metrics.waiting.set((await queue_depth(redis, settings.queue)).waiting)
         except REDIS_ERRORS as error:
             log.warning("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
         # A period from the start of this round, not from its end: on a loaded event loop a
@@ -152,18 +156,16 @@ async def keep_alive(ctx: dict[str, Any]) -> None:
 
 async def start_engine(ctx: dict[str, Any]) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
-    settings: WorkerSettings = ctx["settings"]
-    ctx["events"] = EventLog(
-        ctx["redis"], replay_ttl_s=settings.replay_ttl_s, queue=settings.queue, batched=True
-    )
+    state = worker_state(ctx)
+    settings = state.settings
     began = time.monotonic()
     engine = await ChatEngine.start(settings)
     built = time.monotonic()
     if settings.warmup:
         await engine.warm_up()
-    ctx["engine"] = engine
-    ctx["device"] = describe_device(settings)
-    ctx["lease_keeper"] = asyncio.create_task(keep_alive(ctx))
+    state.engine = engine
+    state.device = describe_device(settings)
+    state.background.append(asyncio.create_task(keep_alive(state)))
     log.info(
         "worker_ready",
         worker=worker_id(),
@@ -171,30 +173,28 @@ async def start_engine(ctx: dict[str, Any]) -> None:
         queue=settings.queue,
         max_model_len=engine.max_model_len,
         max_jobs=settings.arq_max_jobs,
-        device=ctx["device"],
+        device=state.device,
         metrics_port=settings.metrics_port or None,
         engine_build_s=round(built - began, 2),
         warmup_s=round(time.monotonic() - built, 3),
-        since_process_start_s=round(time.monotonic() - ctx["process_started"], 2),
+        since_process_start_s=round(time.monotonic() - state.process_started, 2),
     )
     notify(f"READY=1\nSTATUS=warm, serving {settings.queue} with {settings.model}")
     if (interval_s := watchdog_interval_s()) is not None:
-        ctx["watchdog"] = asyncio.create_task(keep_watchdog(interval_s))
+        state.background.append(asyncio.create_task(keep_watchdog(interval_s)))
 
 
 async def stop_engine(ctx: dict[str, Any]) -> None:
-    watchdog: asyncio.Task[None] | None = ctx.pop("watchdog", None)
-    if watchdog is not None:
-        watchdog.cancel()  # a sleep loop: nothing to wait for
-    keeper: asyncio.Task[None] | None = ctx.pop("lease_keeper", None)
-    if keeper is not None:
-        keeper.cancel()
+    state = worker_state(ctx)
+    background, state.background = state.background, []
+    for task in background:  # the keep-alive round and the watchdog: sleep loops
+        task.cancel()
+    for task in background:
         with contextlib.suppress(asyncio.CancelledError):
-            await keeper
-    settings: WorkerSettings = ctx["settings"]
+            await task
     with contextlib.suppress(*REDIS_ERRORS):  # else its record expires within a lease
-        await remove_worker(ctx["redis"], settings.queue, worker_id())
-    engine: ChatEngine | None = ctx.pop("engine", None)
+        await remove_worker(state.redis, state.settings.queue, worker_id())
+    engine, state.engine = state.engine, None
     if engine is not None:
         engine.shutdown()
     log.info("worker_stopped", worker=worker_id())
@@ -204,8 +204,17 @@ def build_worker(
     settings: WorkerSettings, *, process_started: float, metrics: WorkerMetrics
 ) -> EdgeqWorker:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
-    running: set[str] = set()
-    metrics.count_running(lambda: len(running))
+    state = WorkerState(
+        settings=settings,
+        redis=redis,
+        events=EventLog(
+            redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue, batched=True
+        ),
+        metrics=metrics,
+        process_started=process_started,
+        started_at=time.time(),
+    )
+    metrics.count_running(lambda: len(state.running))
     return EdgeqWorker(
         functions=[
             func(
@@ -227,19 +236,12 @@ def build_worker(
         allow_abort_jobs=True,
         log_results=False,
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        health_check_key=f"{settings.queue}:health-check:{worker_id()}",
+        health_check_key=health_check_key(settings.queue, worker_id()),
         job_serializer=dump_json,
         job_deserializer=load_job,
         job_completion_wait=settings.drain_timeout_s,
         # Shared by reference with each job's ctx (arq copies the dict, not its values).
-        ctx={
-            "settings": settings,
-            "process_started": process_started,
-            "started_at": time.time(),
-            "metrics": metrics,
-            "running": running,
-            "draining": asyncio.Event(),
-        },
+        ctx={STATE_KEY: state},
     )
 
 

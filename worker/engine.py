@@ -13,10 +13,11 @@ from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from producer.protocol import ChatMessage, ChatRequest
-from producer.settings import ConfigError
-from worker.reasoning import THINK_CLOSE, THINK_OPEN
-from worker.settings import WorkerSettings
+from edgeq.core.errors import ConfigError
+from edgeq.core.protocol import ChatMessage, ChatRequest
+from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
+from edgeq.worker.settings import WorkerSettings
+from edgeq.worker.vllm_plugin import ENABLE_ENV
 
 # When thinking is off the think tags are banned from sampling, so a model that ignores the
 # pre-closed think block of Qwen3's template still cannot open one.
@@ -28,9 +29,11 @@ CPU_BLOCK_MULTIPLE = 32
 WARMUP_MESSAGES = (ChatMessage(role="user", content="Hello"),)
 WARMUP_TOKENS = 4
 
-# Before vllm is imported: no phoning home from an appliance.
+# Before vllm is imported: no phoning home from an appliance, and edgeq's vLLM plugin acts in
+# this process and the engine processes it spawns (which inherit the environment).
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ[ENABLE_ENV] = "1"
 
 from vllm import AsyncEngineArgs, RequestOutput, SamplingParams  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402

@@ -18,7 +18,9 @@ from pydantic import ValidationError
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from producer.protocol import (
+from edgeq.core.errors import StreamClosed
+from edgeq.core.leases import release_lease, renew_leases
+from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
     ErrorCode,
@@ -27,13 +29,13 @@ from producer.protocol import (
     describe_validation_error,
     limit_problem,
 )
-from producer.streams import release_lease, renew_leases
-from worker.engine import ChatEngine, PromptTooLong
-from worker.metrics import WorkerMetrics
-from worker.publisher import StreamClosed, StreamPublisher
-from worker.reasoning import ReasoningSplitter
-from worker.settings import WorkerSettings
-from worker.wire import JobPayload
+from edgeq.worker.engine import ChatEngine, PromptTooLong
+from edgeq.worker.metrics import WorkerMetrics
+from edgeq.worker.publisher import StreamPublisher
+from edgeq.worker.reasoning import ReasoningSplitter
+from edgeq.worker.settings import WorkerSettings
+from edgeq.worker.state import worker_state
+from edgeq.worker.wire import JobPayload
 
 log = structlog.get_logger("edgeq.job")
 
@@ -73,25 +75,22 @@ def parse_request(payload: JobPayload, settings: WorkerSettings) -> ChatRequest:
 
 
 async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
-    """arq entry point; ``payload`` comes from ``worker.wire.load_job``."""
-    job_id: str = ctx["job_id"]
-    settings: WorkerSettings = ctx["settings"]
-    structlog.contextvars.bind_contextvars(job_id=job_id)
-    publisher = StreamPublisher(
-        ctx["events"], job_id, interval_s=settings.stream_interval_ms / 1000
-    )
+    """arq entry point; ``payload`` comes from ``edgeq.worker.wire.load_job``."""
+    job_id: str = ctx["job_id"]  # arq's per-job keys
     enqueued_s = ctx["enqueue_time"].timestamp()
-    metrics: WorkerMetrics = ctx["metrics"]
-    running: set[str] = ctx["running"]
-    running.add(job_id)
+    state = worker_state(ctx)
+    settings, metrics = state.settings, state.metrics
+    structlog.contextvars.bind_contextvars(job_id=job_id)
+    publisher = StreamPublisher(state.events, job_id, interval_s=settings.stream_interval_ms / 1000)
+    state.running.add(job_id)
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
     try:
         # Leased at once, so a worker killed from here on is noticed (README, "Guarantees").
-        await renew_leases(ctx["redis"], settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
+        await renew_leases(state.redis, settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(
-                ctx["engine"], settings, metrics, publisher, payload, enqueued_s
+                state.ready_engine, settings, metrics, publisher, payload, enqueued_s
             )
         # The same clock reading as the done event's total_ms: metric and event agree.
         outcome, e2e_s = "done", result.timings.total_ms / 1000
@@ -112,12 +111,12 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         log.info(
             "job_stopped",
             reason="its stream was ended elsewhere (cancel or worker_lost)",
-            engine_unfinished_requests=ctx["engine"].llm.get_num_unfinished_requests(),
+            engine_unfinished_requests=state.ready_engine.llm.get_num_unfinished_requests(),
         )
         outcome = ErrorCode.CANCELLED.value
         return {"type": "error", "code": ErrorCode.CANCELLED.value, "message": "stream closed"}
     except asyncio.CancelledError:
-        if ctx["draining"].is_set():
+        if state.draining.is_set():
             code, message = (
                 ErrorCode.SHUTDOWN,
                 f"the worker shut down and this chat did not finish within its drain time "
@@ -140,8 +139,8 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         )
     finally:
         metrics.job_ended(outcome, e2e_s=e2e_s)
-        running.discard(job_id)
-        await asyncio.shield(_release(ctx["redis"], settings.queue, job_id))
+        state.running.discard(job_id)
+        await asyncio.shield(_release(state.redis, settings.queue, job_id))
         structlog.contextvars.unbind_contextvars("job_id")
 
 

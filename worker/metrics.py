@@ -25,7 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import start_http_server
 
-from producer.settings import ConfigError
+from edgeq.core.errors import ConfigError
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py) with finer low ends: a 0.6B model on a GPU
 # yields a token every few ms, and edgeq's pickup takes about one.

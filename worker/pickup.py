@@ -3,7 +3,7 @@ whole burst.
 
 arq finds jobs by polling its queue every ``poll_delay`` (500 ms by default: ~250 ms added to
 every chat) and takes them one at a time: per job a WATCH/EXISTS/ZSCORE/MULTI transaction of
-~4 Redis round trips (see ../shared/notes/arq-redis.md). A burst of 64 chats then reaches the
+~4 Redis round trips. A burst of 64 chats then reaches the
 engine over 256 round trips, each one queued behind the streaming of the chats already
 running; and with several workers on one queue all of them walk the same ids in the same
 order, so the slower one loses every race and sits idle while jobs wait. Here:
@@ -29,8 +29,7 @@ from arq.utils import timestamp_ms
 from arq.worker import Worker
 from redis.asyncio import Redis
 
-from producer.protocol import in_progress_key
-from producer.queue import wake_channel
+from edgeq.core.keys import in_progress_key, wake_channel
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0

@@ -1,6 +1,6 @@
 """Publishing one job's stream: the first text at once, later text coalesced to at most one
 delta per interval, and one terminal event. Redis assigns ``seq`` and refuses anything after
-a terminal event (producer/streams.py), so a job cancelled or declared lost by someone else
+a terminal event (core/events.py), so a job cancelled or declared lost by someone else
 learns it at its next publish (StreamClosed) and stops."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
-from producer.streams import EventLog, Published, StreamClosed
+from edgeq.core.errors import StreamClosed
+from edgeq.core.events import EventLog, Published
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 
 __all__ = ["StreamClosed", "StreamPublisher"]
 

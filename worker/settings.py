@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from producer.logs import LogLevel
-from producer.settings import ConnectionSettings
+from edgeq.core.logs import LogLevel
+from edgeq.core.settings import ConnectionSettings
 
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 Profile = Literal["latency", "throughput", "edge-small"]

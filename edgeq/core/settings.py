@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from producer.sentinel import is_sentinel_url, parse_sentinel_url
+from edgeq.core.errors import ConfigError
+from edgeq.core.sentinel import is_sentinel_url, parse_sentinel_url
 
 ENV_PREFIX = "EDGEQ_"
 
@@ -23,10 +24,6 @@ SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 # A password in a URL's query string (redis-py's ?password=, our ?sentinel_password=, and
 # misspellings of them such as ?sentinel_pasword=).
 QUERY_PASSWORD = re.compile(r"([?&][^=&#]*(?:pas|pw)[^=&#]*=)[^&#]*", re.IGNORECASE)
-
-
-class ConfigError(Exception):
-    """A setting has a value edgeq cannot run with; the message names the variable."""
 
 
 class ConnectionSettings(BaseSettings):

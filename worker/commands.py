@@ -1,17 +1,23 @@
-"""Worker-side commands of ``edgeq``; the parser lives in ``producer.cli``."""
+"""``edgeq worker``: run one warm engine serving the queue.
+
+vLLM is imported only once the settings are valid, so a bad setting is reported in well under
+a second and a box without the engine says which extra to install.
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
 import structlog
 
-from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
-from producer.logs import configure_logging
-from producer.settings import ConfigError, load_settings
-from worker.settings import WorkerSettings
+from edgeq.core.errors import ConfigError
+from edgeq.core.logs import configure_logging
+from edgeq.core.settings import load_settings
+from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
+from edgeq.worker.settings import WorkerSettings
 
 
 def run_worker_command(*, env_file: Path | None) -> int:
@@ -25,7 +31,7 @@ def run_worker_command(*, env_file: Path | None) -> int:
     configure_logging(settings.log_level)
     log = structlog.get_logger("edgeq.worker")
     try:
-        from worker.app import run_worker  # imports vLLM: tens of seconds on a small box
+        from edgeq.worker.app import run_worker  # imports vLLM: tens of seconds on a small box
     except ImportError as error:
         print(
             f"edgeq worker: the engine is not installed ({error}); "
@@ -45,14 +51,10 @@ def run_worker_command(*, env_file: Path | None) -> int:
     return EXIT_OK
 
 
-def run_make_tiny_model_command(*, directory: Path, seed: int) -> int:
-    from worker.tiny_model import make_tiny_model
-
-    started = time.monotonic()
-    info = make_tiny_model(directory, seed=seed)
-    print(
-        f"tiny model written to {info.directory}: vocab {info.vocab_size}, "
-        f"{info.total_bytes / 1e6:.2f} MB in {len(info.files)} files, "
-        f"{time.monotonic() - started:.2f} s"
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``worker`` to the ``edgeq`` parser."""
+    worker = commands.add_parser(
+        "worker", help="run the worker: one warm engine serving the queue (needs edgeq[gpu|cpu])"
     )
-    return EXIT_OK
+    worker.add_argument("--env-file", type=Path, help="read settings from this file too")
+    worker.set_defaults(handler=lambda args: run_worker_command(env_file=args.env_file))

@@ -6,7 +6,7 @@ writes (the worker, a client cancelling, a reaper declaring a worker lost):
 - ``seq`` is assigned by Redis from the length of the job's replay stream: gap-free;
 - after a terminal event (``done`` or ``error``) nothing more is accepted: exactly one;
 - a terminal event counts its outcome (``done`` or the error code) in the queue's per-minute
-  tally that ``edgeq status`` reads (producer/workers.py);
+  tally that ``edgeq status`` reads (core/registry.py);
 - the event is appended to the replay stream ``edgeq:events:{<job_id>}`` (stream id
   ``<seq>-1``, so ``after_seq`` maps onto stream ids) and published on
   ``edgeq:stream:<job_id>`` in the same step: a reader that subscribes first and then reads
@@ -24,15 +24,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from producer.protocol import (
-    DeltaEvent,
-    DoneEvent,
-    ErrorEvent,
-    decode_event,
-    in_progress_key,
-    job_key,
-    stream_channel,
-)
+from edgeq.core.errors import StreamClosed
+from edgeq.core.keys import events_key, outcomes_key, stream_channel, terminal_key
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
 
 # Split point between what the script writes (job_id, seq) and what the caller wrote.
 _SEQ_PLACEHOLDER = b'"seq":0,'
@@ -58,24 +52,6 @@ AnyEvent = DeltaEvent | DoneEvent | ErrorEvent
 
 #: Per-minute outcome tallies are kept this long, so "recent" can reach back an hour.
 OUTCOME_RETENTION_S = 3900
-OUTCOME_BUCKET_S = 60
-
-
-def events_key(job_id: str) -> str:
-    return f"edgeq:events:{{{job_id}}}"
-
-
-def terminal_key(job_id: str) -> str:
-    return f"edgeq:terminal:{{{job_id}}}"
-
-
-def outcomes_key(queue: str, now_s: float) -> str:
-    """A hash per queue and minute: outcome (``done`` or error code) -> jobs ended."""
-    return f"{queue}:outcomes:{int(now_s // OUTCOME_BUCKET_S)}"
-
-
-class StreamClosed(Exception):
-    """The job's stream already holds its terminal event; nothing more is accepted."""
 
 
 @dataclass(frozen=True)
@@ -179,81 +155,3 @@ async def finished_with(redis: Redis, job_id: str) -> AnyEvent | None:
         return None
     entries = await redis.xrevrange(events_key(job_id), count=1)
     return decode_event(entries[0][1][b"event"]) if entries else None
-
-
-# --- leases: how a job whose worker died still gets its terminal event ----------------------
-
-
-def leases_key(queue: str) -> str:
-    """A sorted set per queue: running job id -> lease expiry (Unix ms, Redis's clock)."""
-    return f"{queue}:leases"
-
-
-# Expiry = Redis's clock when the renewal lands + the TTL, not the worker's clock when it sent
-# it: a renewal held up in a stalled event loop (seen for 14 s on a 2-core box running two
-# engines) must not arrive already expired and get a live job declared lost. One clock for
-# every lease decision also keeps clock skew between boxes out of it.
-_RENEW = """
-local now = redis.call('TIME')
-local expiry = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[1])
-for i = 2, #ARGV do
-  redis.call('ZADD', KEYS[1], expiry, ARGV[i])
-end
-"""
-
-
-async def redis_now_ms(redis: Redis) -> int:
-    seconds, microseconds = await redis.time()
-    return int(seconds) * 1000 + int(microseconds) // 1000
-
-
-async def renew_leases(redis: Redis, queue: str, job_ids: list[str], *, ttl_s: float) -> None:
-    """A worker's promise that these jobs are alive for ``ttl_s`` from now (on Redis's clock)."""
-    if job_ids:
-        renew = redis.register_script(_RENEW)
-        await renew(keys=[leases_key(queue)], args=[int(ttl_s * 1000), *job_ids])
-
-
-async def release_lease(redis: Redis, queue: str, job_id: str) -> None:
-    await redis.zrem(leases_key(queue), job_id)
-
-
-async def lease_expired(redis: Redis, queue: str, job_id: str) -> bool:
-    expiry_ms = await redis.zscore(leases_key(queue), job_id)
-    return expiry_ms is not None and expiry_ms < await redis_now_ms(redis)
-
-
-async def declare_lost(redis: Redis, log: EventLog, job_id: str, *, queue: str) -> bool:
-    """End a job whose worker stopped renewing its lease, and make sure arq never re-runs it
-    (a half-streamed answer is never generated twice). True if this call ended it."""
-    event = ErrorEvent(
-        job_id=job_id,
-        seq=0,
-        code="worker_lost",
-        message=(
-            "the worker running this job stopped (crash, kill or power loss) before it "
-            "finished; the job was not re-run, so it is safe to submit it again"
-        ),
-    )
-    try:
-        await log.append(event)
-        ended = True
-    except StreamClosed:
-        ended = False
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.zrem(leases_key(queue), job_id)
-        pipe.zrem(queue, job_id)
-        pipe.delete(in_progress_key(job_id), job_key(job_id))
-        await pipe.execute()
-    return ended
-
-
-async def reap_lost_jobs(redis: Redis, log: EventLog, *, queue: str) -> list[str]:
-    """Declare lost every job whose lease ran out; returns the ids this call ended."""
-    expired = await redis.zrangebyscore(leases_key(queue), "-inf", await redis_now_ms(redis))
-    ended = []
-    for raw in expired:
-        job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if await declare_lost(redis, log, job_id, queue=queue):
-            ended.append(job_id)
-    return ended

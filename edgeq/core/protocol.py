@@ -1,7 +1,8 @@
 """The wire contract between producers and workers.
 
 Everything a service in any language needs is here: the job payload (``ChatRequest``), the
-stream events published on ``edgeq:stream:{job_id}``, and the serializer both sides give arq.
+stream events published on each job's channel (names in ``edgeq.core.keys``), and the
+serializer both sides give arq.
 README's "Wire contract" section describes the same thing in words; keep them together.
 """
 
@@ -15,22 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 #: The arq function name every chat job is enqueued under.
 JOB_FUNCTION = "chat"
-STREAM_CHANNEL_PREFIX = "edgeq:stream:"
-
-
-def stream_channel(job_id: str) -> str:
-    """The pub/sub channel a job's events are published on."""
-    return f"{STREAM_CHANNEL_PREFIX}{job_id}"
-
-
-def job_key(job_id: str) -> str:
-    """arq's key holding a job's payload."""
-    return f"arq:job:{job_id}"
-
-
-def in_progress_key(job_id: str) -> str:
-    """arq's key marking a job as taken by a worker."""
-    return f"arq:in-progress:{job_id}"
 
 
 class ErrorCode(StrEnum):

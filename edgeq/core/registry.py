@@ -9,7 +9,7 @@ Keys, per queue:
 - ``{queue}:workers``: sorted set, worker id -> last heartbeat (Unix ms), the index;
 - ``{queue}:worker:{id}``: the record (JSON), expiring one lease after the heartbeat;
 - ``{queue}:outcomes:{minute}``: hash, outcome -> count of jobs that ended that minute,
-  written by the event log's publish script with each terminal event (producer/streams.py).
+  written by the event log's publish script with each terminal event (core/events.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
 
-from producer.streams import OUTCOME_BUCKET_S, leases_key, outcomes_key
+from edgeq.core.keys import OUTCOME_BUCKET_S, leases_key, outcomes_key, worker_key, workers_key
 
 
 class WorkerInfo(BaseModel):
@@ -41,14 +41,6 @@ class WorkerInfo(BaseModel):
     metrics_port: int | None
     started_at: float
     heartbeat_at: float
-
-
-def workers_key(queue: str) -> str:
-    return f"{queue}:workers"
-
-
-def worker_key(queue: str, worker_id: str) -> str:
-    return f"{queue}:worker:{worker_id}"
 
 
 async def publish_heartbeat(redis: Redis, info: WorkerInfo, *, ttl_s: float) -> None:

@@ -1,0 +1,108 @@
+"""The one way edgeq opens Redis: a pooled client per process, plain or through Sentinels,
+with bounded timeouts (knob 6 of the seed), and one translation of redis-py's errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis.exceptions
+from arq.connections import ArqRedis
+from redis.asyncio import ConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+
+from edgeq.core.errors import RedisUnavailable
+from edgeq.core.protocol import dump_json, load_json
+from edgeq.core.sentinel import is_sentinel_url, parse_sentinel_url
+from edgeq.core.settings import ConnectionSettings, redacted_url
+
+# A dead connection is noticed within this long even while a stream sits idle.
+REDIS_HEALTH_CHECK_INTERVAL_S = 15
+
+
+def make_redis(
+    settings: ConnectionSettings,
+    *,
+    job_serializer: Callable[[Any], bytes] = dump_json,
+    job_deserializer: Callable[[bytes], Any] = load_json,
+) -> ArqRedis:
+    """One pooled client (arq's Redis subclass, JSON serializers) for a process or a client.
+
+    With a ``redis+sentinel://`` URL the pool asks the Sentinels where the master is before
+    each new connection, and again after a failover (as arq's own ``create_pool`` does).
+    """
+    sockets: dict[str, Any] = {
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_keepalive": True,
+    }
+    if not is_sentinel_url(settings.redis_url):
+        pool = ConnectionPool.from_url(
+            settings.redis_url, health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S, **sockets
+        )
+        return ArqRedis(
+            pool,
+            job_serializer=job_serializer,
+            job_deserializer=job_deserializer,
+            default_queue_name=settings.queue,
+        )
+    target = parse_sentinel_url(settings.redis_url)
+    sentinels = Sentinel(
+        target.hosts,
+        sentinel_kwargs={
+            **sockets,
+            "username": target.sentinel_username,
+            "password": target.sentinel_password,
+        },
+    )
+    redis = sentinels.master_for(
+        target.service_name,
+        redis_class=ArqRedis,
+        connection_pool_class=_SentinelPool,
+        db=target.db,
+        username=target.username,
+        password=target.password,
+        ssl=target.ssl,
+        health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S,
+        **sockets,
+    )
+    redis.job_serializer = job_serializer
+    redis.job_deserializer = job_deserializer
+    redis.default_queue_name = settings.queue
+    return redis
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """Closing the client closes its connections to the Sentinels too (redis-py leaves them
+    open); they reopen if the client is used again."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # closing, not just dropping idle links to a former master
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.connection_pool.disconnect()
+
+
+@contextmanager
+def redis_errors(url: str) -> Iterator[None]:
+    """Turn redis-py's exceptions into RedisUnavailable with the (redacted) URL in the message."""
+    try:
+        yield
+    except redis.exceptions.AuthenticationError as error:
+        raise RedisUnavailable(
+            f"Redis at {redacted_url(url)} refused the credentials: {error}"
+        ) from None
+    except redis.exceptions.ResponseError as error:
+        if "NOPERM" in str(error) or "NOAUTH" in str(error):
+            raise RedisUnavailable(
+                f"Redis at {redacted_url(url)} refused the command: {error}"
+            ) from None
+        raise
+    except MasterNotFoundError as error:  # a ConnectionError: no Sentinel named a master
+        raise RedisUnavailable(
+            f"the Sentinels at {redacted_url(url)} named no master: {error} (check the service "
+            f"name, the Sentinels' host:port and ?sentinel_password= in EDGEQ_REDIS_URL)"
+        ) from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
+        raise RedisUnavailable(f"cannot reach Redis at {redacted_url(url)}: {error}") from None

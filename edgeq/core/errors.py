@@ -1,0 +1,67 @@
+"""Every error edgeq raises, in one tree: catch ``EdgeqError`` for all of them.
+
+    EdgeqError
+    ├── ConfigError        a setting edgeq cannot run with (the message names the variable)
+    ├── InvalidRequest     refused before it was enqueued (also a ValueError)
+    ├── RedisUnavailable   Redis unreachable, or it refused the credentials
+    ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running: retry later
+    ├── JobFailed          the job ended with an ``error`` event (``code``, ``message``)
+    ├── JobTimeout         no event within the stream timeout
+    ├── StreamBroken       a gap in ``seq``: events were lost on the way
+    └── StreamClosed       the job's stream already holds its terminal event
+
+Every message says what happened and where.
+"""
+
+from __future__ import annotations
+
+
+class EdgeqError(Exception):
+    """Base class of every error edgeq raises."""
+
+
+class ConfigError(EdgeqError):
+    """A setting has a value edgeq cannot run with; the message names the variable."""
+
+
+class InvalidRequest(EdgeqError, ValueError):
+    """The request was refused before it was enqueued; the message names the field."""
+
+
+class RedisUnavailable(EdgeqError):
+    """Redis could not be reached or stopped answering (the URL in the message is redacted)."""
+
+
+class QueueFull(EdgeqError):
+    """The queue already holds EDGEQ_MAX_QUEUE jobs; nothing was enqueued. Retry later."""
+
+
+class JobFailed(EdgeqError):
+    """The job ended with an ``error`` event; ``code`` is the stable word from the wire contract."""
+
+    def __init__(self, job_id: str, code: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed ({code}): {message}")
+        self.job_id = job_id
+        self.code = code
+        self.message = message
+
+
+class JobTimeout(EdgeqError):
+    """No event arrived for a job within the stream timeout."""
+
+    def __init__(self, job_id: str, waited_s: float, detail: str) -> None:
+        super().__init__(f"job {job_id}: no event for {waited_s:g} s; {detail}")
+        self.job_id = job_id
+        self.waited_s = waited_s
+
+
+class StreamBroken(EdgeqError):
+    """The stream broke the contract (a gap in ``seq``): events were lost on the way."""
+
+
+class StreamClosed(EdgeqError):
+    """The job's stream already holds its terminal event; nothing more is accepted."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: its stream has already ended")
+        self.job_id = job_id

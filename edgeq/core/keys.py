@@ -1,0 +1,89 @@
+"""Every Redis key and channel name edgeq uses, in one place.
+
+A producer in another language needs only these (README, "Wire contract"). arq's own key
+prefixes come from ``arq.constants``, so an arq that renamed them would be noticed here and
+nowhere else.
+
+Per job (the braces are Redis Cluster hash tags: one job's keys live in one slot):
+
+- ``arq:job:{id}``: the payload, as arq stores it; ``arq:in-progress:{id}``: taken by a worker;
+  ``arq:result:{id}``: arq's result record;
+- ``edgeq:events:{<id>}``: the replay stream; ``edgeq:terminal:{<id>}``: set with the terminal
+  event; ``edgeq:stream:<id>``: the pub/sub channel the events are published on.
+
+Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job ids):
+
+- ``{queue}:wake``: channel an idle worker waits on, published after each enqueue;
+- ``{queue}:leases``: sorted set, running job id -> lease expiry (Unix ms, Redis's clock);
+- ``{queue}:workers`` and ``{queue}:worker:{id}``: the live-worker index and records;
+- ``{queue}:outcomes:{minute}``: hash, outcome -> jobs that ended that minute;
+- ``{queue}:health-check:{worker id}``: arq's health record, one per worker.
+"""
+
+from __future__ import annotations
+
+from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
+
+STREAM_CHANNEL_PREFIX = "edgeq:stream:"
+#: Outcome tallies are counted per minute.
+OUTCOME_BUCKET_S = 60
+
+
+def job_key(job_id: str) -> str:
+    """arq's key holding a job's payload."""
+    return f"{job_key_prefix}{job_id}"
+
+
+def in_progress_key(job_id: str) -> str:
+    """arq's key marking a job as taken by a worker."""
+    return f"{in_progress_key_prefix}{job_id}"
+
+
+def result_key(job_id: str) -> str:
+    """arq's key holding a finished job's result."""
+    return f"{result_key_prefix}{job_id}"
+
+
+def stream_channel(job_id: str) -> str:
+    """The pub/sub channel a job's events are published on."""
+    return f"{STREAM_CHANNEL_PREFIX}{job_id}"
+
+
+def events_key(job_id: str) -> str:
+    """The job's replay stream: every event it published, by seq."""
+    return f"edgeq:events:{{{job_id}}}"
+
+
+def terminal_key(job_id: str) -> str:
+    """Exists once the job's terminal event is written; nothing is accepted after it."""
+    return f"edgeq:terminal:{{{job_id}}}"
+
+
+def wake_channel(queue: str) -> str:
+    """Idle workers wait on this channel; a producer publishes on it after each enqueue."""
+    return f"{queue}:wake"
+
+
+def leases_key(queue: str) -> str:
+    """A sorted set per queue: running job id -> lease expiry (Unix ms, Redis's clock)."""
+    return f"{queue}:leases"
+
+
+def workers_key(queue: str) -> str:
+    """A sorted set per queue: worker id -> last heartbeat (Unix ms)."""
+    return f"{queue}:workers"
+
+
+def worker_key(queue: str, worker_id: str) -> str:
+    """One worker's record (JSON), expiring one lease after its heartbeat."""
+    return f"{queue}:worker:{worker_id}"
+
+
+def outcomes_key(queue: str, now_s: float) -> str:
+    """A hash per queue and minute: outcome (``done`` or error code) -> jobs ended."""
+    return f"{queue}:outcomes:{int(now_s // OUTCOME_BUCKET_S)}"
+
+
+def health_check_key(queue: str, worker_id: str) -> str:
+    """arq's health record for one worker (arq's default key is shared by all workers)."""
+    return f"{queue}:health-check:{worker_id}"

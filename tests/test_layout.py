@@ -1,0 +1,140 @@
+"""The architecture the layout promises, checked on the code itself.
+
+Data flows one way (producer -> Redis -> worker -> Redis -> subscriber) through a shared core:
+``edgeq.core`` imports neither side, the worker never imports the producer, and the producer
+(what a backend service installs) never imports the worker, vLLM or torch. The ``edgeq``
+command is a registry: the command modules never import the registry back. vLLM's general
+plugin, which vLLM loads in every vLLM process of the environment, acts only in edgeq's own
+engine processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import edgeq
+from edgeq.cli import COMMAND_MODULES
+
+REPO = Path(__file__).resolve().parents[1]
+# Where each part of the installed `edgeq` package lives in this tree (pyproject.toml).
+PARTS = {
+    "edgeq.core": REPO / "edgeq" / "core",
+    "edgeq.testing": REPO / "edgeq" / "testing",
+    "edgeq.producer": REPO / "producer",
+    "edgeq.worker": REPO / "worker",
+    "edgeq.gateway": REPO / "gateway",
+    "edgeq.bench": REPO / "bench",
+    "edgeq.deploy": REPO / "deploy",
+}
+FORBIDDEN = {
+    "edgeq.core": ("edgeq.producer", "edgeq.worker", "edgeq.gateway", "edgeq.bench", "vllm"),
+    "edgeq.worker": ("edgeq.producer", "edgeq.gateway", "edgeq.bench", "edgeq.testing"),
+    "edgeq.producer": ("edgeq.worker", "edgeq.gateway", "edgeq.bench", "vllm", "torch"),
+    "edgeq.gateway": ("edgeq.worker", "vllm", "torch"),
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside functions."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def imported_by(part: str) -> dict[str, set[str]]:
+    return {str(path.relative_to(REPO)): imports_of(path) for path in PARTS[part].rglob("*.py")}
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_each_part_imports_only_what_the_data_flow_allows(part: str) -> None:
+    broken = {
+        file: sorted(
+            name
+            for name in names
+            if any(name == bad or name.startswith(f"{bad}.") for bad in FORBIDDEN[part])
+        )
+        for file, names in imported_by(part).items()
+    }
+    assert not {file: names for file, names in broken.items() if names}
+
+
+def test_the_command_modules_never_import_the_registry() -> None:
+    for module in COMMAND_MODULES:
+        part, _, name = module.rpartition(".")
+        path = PARTS[part] / f"{name}.py"
+        assert "edgeq.cli" not in imports_of(path), f"{path} imports edgeq.cli: a circle"
+
+
+def run_python(code: str, **env: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        cwd=REPO.parent,  # not the checkout: the installed edgeq, as a user imports it
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+def test_the_client_loads_no_engine_and_the_worker_loads_no_client() -> None:
+    loaded = run_python(
+        "import sys, edgeq\n"
+        "from edgeq import ChatClient, SyncChatClient\n"
+        "import edgeq.producer.commands, edgeq.cli\n"
+        "edgeq.cli.build_parser()\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'vllm', 'torch', 'fastapi', 'matplotlib'} or m.startswith('edgeq.worker.'))))"
+    )
+    assert loaded.split() == ["edgeq.worker.commands", "edgeq.worker.settings"], loaded
+    loaded = run_python(
+        "import sys, edgeq.worker.jobs, edgeq.worker.app\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('edgeq.producer'))))"
+    )
+    assert loaded == ""
+
+
+def test_the_public_api_is_at_the_package_root() -> None:
+    assert edgeq.__version__ == "0.1.0"
+    assert sorted(edgeq.__all__) == sorted(["__version__", *edgeq._EXPORTS])
+    for name in edgeq.__all__:
+        assert getattr(edgeq, name) is not None
+    assert issubclass(edgeq.ConfigError, edgeq.EdgeqError)
+    assert issubclass(edgeq.StreamClosed, edgeq.EdgeqError)
+    assert issubclass(edgeq.InvalidRequest, ValueError)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = edgeq.Nope  # type: ignore[attr-defined]
+
+
+PLUGIN_PROBE = (
+    "from vllm.plugins import load_general_plugins\n"
+    "load_general_plugins()\n"
+    "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
+    "print(getattr(GPUModelRunner._bookkeeping_sync, '_edgeq_patched', False))\n"
+)
+
+
+def test_the_vllm_plugin_leaves_other_vllm_processes_alone() -> None:
+    """A user's own vLLM in the same venv loads our entry point and must stay unpatched;
+    edgeq's engine (which sets the marker before importing vLLM) gets the CPU fix."""
+    env = {name: value for name, value in os.environ.items() if name != "EDGEQ_VLLM_PLUGIN"}
+    plain = subprocess.run(
+        [sys.executable, "-c", PLUGIN_PROBE],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO.parent,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.stdout.strip().splitlines()[-1] == "False"
+    ours = run_python("import edgeq.worker.engine\n" + PLUGIN_PROBE)
+    assert ours.splitlines()[-1] == "True"
