@@ -485,7 +485,7 @@ else
             smoke=$EDGEQ_INSTALL_SMOKE_CMD
         else
             # Without systemd no worker runs: check that the release imports its engine.
-            smoke='"$EDGEQ_CURRENT/bin/python" -c "import vllm, worker.engine, worker.notify, gateway.app" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
+            smoke='"$EDGEQ_CURRENT/bin/python" -c "import vllm, edgeq.worker.engine, edgeq.worker.notify, edgeq.gateway.app" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
         fi
         say "smoke test (no systemd): $smoke"
         if ! out=$(EDGEQ_CURRENT=$OPT/current sh -c "$smoke" 2>&1); then
