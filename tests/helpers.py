@@ -33,8 +33,9 @@ TEST_MAX_NUM_BATCHED_TOKENS = 128
 EDGEQ = [sys.executable, "-m", "edgeq"]
 TERMINAL_TYPES = {"done", "error"}
 # On the near-uniform tiny model the seed, not the prompt, decides when <|im_end|> is drawn;
-# these seeds run 300 tokens without it (seen on this machine type).
-FULL_LENGTH_SEEDS = (8, 10, 12)
+# these seeds run 300 tokens without it on each of 18 prompts the tests use (seen on this
+# machine type, for the character-level tiny model; 8 of seeds 0-39 do).
+FULL_LENGTH_SEEDS = (10, 16, 18)
 # How long the test Sentinel waits before it calls an unanswering master down.
 SENTINEL_DOWN_AFTER_MS = 30_000
 # Figures measured by the tests (chaos, gateway), printed at the end of the run.

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.engine
 
 USERS = 4
 REQUESTS_PER_USER = 2
-# The tiny model's chat template alone is 22 tokens, so its shortest prompt is 23.
+# The tiny model's chat template alone is 19 tokens, so its shortest prompt is 20.
 INPUT_LEN_MIN = 24
 INPUT_LEN_MAX = 48
 MAX_TOKENS = 16

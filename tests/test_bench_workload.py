@@ -18,7 +18,7 @@ from edgeq.bench.workload import (
 from helpers import EDGEQ
 
 NUM_REQUESTS = 40
-# Room for the tiny model's 22-token template plus a message.
+# Room for the tiny model's 19-token template plus a message.
 INPUT_LEN_MIN = 30
 INPUT_LEN_MAX = 90
 EXIT_USAGE = 2
@@ -60,7 +60,7 @@ def test_same_seed_same_workload_other_seed_another(tiny_model: Path) -> None:
 
 def test_a_length_shorter_than_the_template_is_refused(tiny_model: Path) -> None:
     tokenizer = load_tokenizer(str(tiny_model))
-    with pytest.raises(WorkloadError, match="chat template alone is 22 tokens"):
+    with pytest.raises(WorkloadError, match="chat template alone is 19 tokens"):
         build_workload(spec(0, input_len_min=16), tokenizer, str(tiny_model))
 
 

@@ -56,7 +56,7 @@ UPGRADE_SUFFIX = "b2"
 ROOTED_PREFIXES = ("/opt/edgeq", "/etc/edgeq", "/var/lib/edgeq", "/var/cache/edgeq")
 WATCHDOG_USEC = 2_000_000
 LONG = 300  # tokens, as in tests/chaos: still generating when SIGTERM comes
-FULL_LENGTH_SEED = 8
+FULL_LENGTH_SEED = 10  # helpers.FULL_LENGTH_SEEDS[0]
 # A systemd service gets a clean environment, not the test runner's.
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

@@ -1,15 +1,41 @@
 import hashlib
 import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from safetensors.numpy import load_file
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from worker.tiny_model import TinyModelInfo, make_tiny_model
+from edgeq.testing.tiny_model import ALPHABET, SPACE_MARK, TinyModelInfo, make_tiny_model
 
 MAX_TOTAL_BYTES = 5 * 1024 * 1024
+# "A few hundred": small enough that the embedding stays tiny.
+MAX_VOCAB_SIZE = 512
+REPLACEMENT_CHARACTER = "\ufffd"
+# What the base (non-added) vocabulary decodes to: printable ASCII, space, tab, newline.
+DECODED_CHARACTERS = re.compile(r"[\x20-\x7e\t\n]+")
+# A maximal run of characters the tokenizer has no symbol for: it becomes one <unk>.
+OUTSIDE_ALPHABET = re.compile("[^" + re.escape("".join(ALPHABET).replace(SPACE_MARK, "")) + " ]+")
+RANDOM_SEQUENCES = 300
+RANDOM_SEQUENCE_MAX_LEN = 64
+PLAIN_ASCII_TEXTS = [
+    "The worker reads a job, then answers: 42 jobs!",
+    "  two  leading spaces, and two trailing  ",
+    "Tabs\tand\nnew lines\n\nsurvive, as do 'quotes' & {braces} ~ `ticks` @ #5 100%.",
+    "x",
+    " ",
+    "\n",
+]
 THINKING_OFF_SUFFIX = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
@@ -99,10 +125,98 @@ def test_tokenizer_size_matches_model_vocab(
     assert len(tokenizer) == config["vocab_size"] == built.vocab_size
 
 
-def test_tokenizer_round_trips_text(tokenizer: PreTrainedTokenizerBase) -> None:
-    text = "The worker reads a job, then answers: 42 jobs! Ünïcode ✓ 日本"
+def base_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that is not a special token (the think tags included: they are not special)."""
+    special = set(tokenizer.all_special_ids)
+    return [token_id for token_id in range(len(tokenizer)) if token_id not in special]
+
+
+def test_vocabulary_is_a_few_hundred_whole_character_tokens(
+    built: TinyModelInfo, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    assert len(ALPHABET) < built.vocab_size <= MAX_VOCAB_SIZE
+    added = set(tokenizer.get_added_vocab())
+    for token, token_id in tokenizer.get_vocab().items():
+        if token not in added:
+            assert set(token) <= set(ALPHABET), (token_id, token)
+    assert set(ALPHABET) <= set(tokenizer.get_vocab())  # any ASCII text can be spelled
+
+
+def test_every_single_token_decodes_to_whole_characters(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    added = set(tokenizer.get_added_vocab().values())
+    for token_id in base_ids(tokenizer):
+        text = tokenizer.decode([token_id])
+        assert REPLACEMENT_CHARACTER not in text, token_id
+        if token_id not in added:
+            assert DECODED_CHARACTERS.fullmatch(text), (token_id, text)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_id_sequences_decode_without_replacement_characters(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> None:
+    # What a random-weight model samples: any id at all, special ones included.
+    rng = random.Random(0)
+    every_id = list(range(len(tokenizer)))
+    for _ in range(RANDOM_SEQUENCES):
+        ids = rng.choices(every_id, k=rng.randint(1, RANDOM_SEQUENCE_MAX_LEN))
+        text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert REPLACEMENT_CHARACTER not in text, ids
+        if skip_special_tokens:
+            assert tokenizer.unk_token not in text, ids
+
+
+def test_streaming_decode_matches_full_decode_without_replacement_characters(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    # vLLM's incremental detokenizer is tokenizers' DecodeStream primed with the
+    # prompt ids; each step must emit whole characters and lose no space.
+    backend = tokenizer.backend_tokenizer
+    prompt = tokenizer.encode("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    rng = random.Random(1)
+    every_id = list(range(len(tokenizer)))
+    for _ in range(RANDOM_SEQUENCES // 3):
+        ids = rng.choices(every_id, k=rng.randint(1, RANDOM_SEQUENCE_MAX_LEN))
+        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+        pieces = [stream.step(backend, token_id) or "" for token_id in ids]
+        assert all(REPLACEMENT_CHARACTER not in piece for piece in pieces), ids
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True), ids
+
+
+@pytest.mark.parametrize("text", PLAIN_ASCII_TEXTS)
+def test_plain_ascii_round_trips_exactly(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
     ids = tokenizer.encode(text)
+    assert tokenizer.unk_token_id not in ids
     assert tokenizer.decode(ids) == text
+
+
+def test_words_keep_their_leading_space_in_one_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    # The bench builds exact-length prompts from such words (bench/workload.py).
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode(" the model")) == ["▁the", "▁model"]
+
+
+def test_text_outside_the_alphabet_becomes_unk_and_is_dropped_when_skipping_special(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    # The documented normalisation: each run of characters outside ALPHABET (here
+    # non-ASCII letters, a symbol, CJK, a carriage return) is one <unk>; the rest
+    # of the text, spaces included, is kept as it was.
+    text = "The worker reads: 42 jobs! Ünïcode ✓ 日本\r\nnext line"
+    ids = tokenizer.encode(text)
+    assert ids.count(tokenizer.unk_token_id) == len(OUTSIDE_ALPHABET.findall(text)) == 4
+    assert tokenizer.decode(ids) == OUTSIDE_ALPHABET.sub(tokenizer.unk_token, text)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == OUTSIDE_ALPHABET.sub("", text)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == (
+        "The worker reads: 42 jobs! ncode  \nnext line"
+    )
+
+
+def test_unk_is_a_special_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    assert tokenizer.unk_token == "<unk>"
+    assert tokenizer.unk_token_id in tokenizer.all_special_ids
+    assert tokenizer.decode([tokenizer.unk_token_id], skip_special_tokens=True) == ""
 
 
 def test_eos_and_generation_config_use_im_end(
@@ -149,3 +263,106 @@ def test_chat_template_strips_prior_assistant_reasoning(
     assert "<think>" not in prompt
     assert "<|im_start|>assistant\nFour.<|im_end|>\n" in prompt
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+# Run in a child of its own (vLLM on CPU always spawns an EngineCore process, and
+# spawned children re-import the main module, hence the guard). It prints, per
+# prompt, the streamed text and the sampled ids.
+ENGINE_SCRIPT = """
+import json
+import sys
+
+from vllm import LLM, SamplingParams
+
+
+def main(model: str) -> None:
+    llm = LLM(
+        model=model, enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=True
+    )
+    try:
+        tokenizer = llm.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=False,
+            )
+            for content in ("Hi!", "What is the queue for?", "Tell me a long story.")
+        ]
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=64, seed=seed)
+            for seed in range(len(prompts))
+        ]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results = [
+            {"text": output.outputs[0].text, "ids": list(output.outputs[0].token_ids)}
+            for output in outputs
+        ]
+        print("RESULTS " + json.dumps(results))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+ENGINE_TIMEOUT_S = 300
+# The EngineCore notices its parent is gone and exits, but not instantly.
+ENGINE_EXIT_GRACE_S = 10
+
+
+def processes_in_group(pgid: int) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                found.append(process)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return found
+
+
+@pytest.mark.engine
+def test_real_engine_samples_text_without_replacement_characters(
+    built: TinyModelInfo, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """Starting a vLLM engine costs ~30 s on two cores (~55 s on a busy machine)."""
+    script = tmp_path / "sample.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = os.environ | {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(built.directory)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: the engine's processes are ours to reap
+    )
+    try:
+        output, _ = child.communicate(timeout=ENGINE_TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        deadline = time.monotonic() + ENGINE_EXIT_GRACE_S
+        while (survivors := processes_in_group(child.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for survivor in survivors:
+            survivor.send_signal(signal.SIGKILL)
+    assert child.returncode == 0, output[-5000:]
+    assert not survivors, [process.cmdline() for process in survivors]
+
+    (line,) = [line for line in output.splitlines() if line.startswith("RESULTS ")]
+    results = json.loads(line.removeprefix("RESULTS "))
+    assert len(results) == 3
+    for result in results:
+        assert result["ids"], result
+        assert REPLACEMENT_CHARACTER not in result["text"], result
+        assert tokenizer.unk_token not in result["text"], result
+        # The streamed text is what a full decode gives: no space or character lost.
+        assert result["text"] == tokenizer.decode(result["ids"], skip_special_tokens=True)

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.engine
 
 # Each configuration starts a worker (~20 s on two cores): two configurations, a tiny workload.
 USERS = 4
-INPUT_LEN_MIN, INPUT_LEN_MAX = 24, 48  # the tiny model's template alone is 22 tokens
+INPUT_LEN_MIN, INPUT_LEN_MAX = 24, 48  # the tiny model's template alone is 19 tokens
 MAX_TOKENS = 8
 BUDGET = TEST_MAX_MODEL_LEN
 CLI_TIMEOUT_S = 400

@@ -2,9 +2,13 @@
 
 The model is meant for tests and local runs of the worker: it exercises the real
 vLLM loading path (config, safetensors, tokenizer, chat template) without any
-download from a model hub. Its output is noise, but the noise is drawn from a
-real byte-level BPE vocabulary that contains Qwen3's `<think>`/`</think>` tags,
-so reasoning-parsing code paths can be hit too.
+download from a model hub. Its output is noise, but readable noise: the
+tokenizer is a character-level BPE whose every token is a whole string of
+printable ASCII, so sampled text reads as made-up words and never holds a
+U+FFFD replacement character. A byte-level vocabulary would not do here: random
+weights sample a near-uniform mix of ids, and lone partial UTF-8 bytes decode to
+U+FFFD. The vocabulary still contains Qwen3's `<think>`/`</think>` tags, so
+reasoning-parsing code paths can be hit too.
 
 Only numpy, safetensors and tokenizers are imported: building takes well under a
 second and does not pull torch into the importing process.
@@ -21,13 +25,10 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import (
     AddedToken,
-    Regex,
     Tokenizer,
     decoders,
     models,
-    normalizers,
     pre_tokenizers,
-    processors,
     trainers,
 )
 
@@ -54,15 +55,29 @@ WEIGHT_INIT_STD = 0.02
 
 # --- Tokenizer --------------------------------------------------------------
 
-# 256 byte-level symbols + 64 merges: enough for a real BPE, still a tiny embedding.
+# 97 characters + <unk> + about 220 merges: a real BPE, still a tiny embedding.
 BPE_VOCAB_SIZE = 320
 # A pair seen once in the corpus is noise, not a pattern worth a merge.
 BPE_MIN_PAIR_FREQUENCY = 2
-# Qwen2/3's pre-tokenizer split pattern, so word boundaries behave like Qwen3's.
-QWEN_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# SentencePiece's word-boundary mark: spaces become part of the following word
+# ("▁the"), as in Llama/Mistral vocabularies, so the bench can still find
+# single-token words with a leading space (bench/workload.py's WORD_TOKEN).
+SPACE_MARK = "▁"
+NEWLINE = "\n"
+# Every token is built from these, so every token decodes to whole characters.
+# The space is spelled SPACE_MARK after pre-tokenization; tab and newline are
+# the only other whitespace kept. "\r", "\v" and "\f" are left out on purpose:
+# sampled at random they would wreck how a terminal shows the demo's output.
+ALPHABET = (
+    *(chr(code) for code in range(0x21, 0x7F)),  # printable ASCII without the space
+    SPACE_MARK,
+    NEWLINE,
+    "\t",
 )
+# Whatever is not in ALPHABET (non-ASCII text, "\r", ...) encodes to this; it is a
+# special token, so a sampled one is dropped by skip_special_tokens decoding
+# (vLLM's default) instead of showing up as garbage.
+UNK = "<unk>"
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -204,25 +219,42 @@ def make_tiny_model(directory: Path, *, seed: int = 0) -> TinyModelInfo:
 
 
 def build_tokenizer() -> Tokenizer:
-    """Train the byte-level BPE on the embedded corpus and add Qwen3's tokens."""
-    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tokenizer.normalizer = normalizers.NFC()
+    """Train the character-level BPE on the embedded corpus and add Qwen3's tokens."""
+    # fuse_unk: a run of unknown characters (a word of CJK, say) costs one token.
+    # No byte_fallback: byte tokens are exactly what sampled U+FFFD comes from. No
+    # normalizer either: it could only rewrite non-ASCII text, which is <unk> anyway.
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK, fuse_unk=True, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            # A newline stands alone, so no merge spans one: the corpus is
+            # hard-wrapped, and merges like "▁the\n" would only learn where its
+            # lines happen to break.
+            pre_tokenizers.Split(NEWLINE, behavior="isolated"),
+            # split=True cuts before every space, so a word and its leading space
+            # are one pre-token and merges never span two words.
+            pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme="never", split=True),
         ]
     )
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    # prepend_scheme="never" on both sides: no space is invented before the first
+    # word, so encode/decode round-trips, and the decoder never strips a leading
+    # space, which vLLM's streaming detokenizer (tokenizers' DecodeStream, decoding
+    # a window that starts mid-text) would otherwise drop between tokens.
+    tokenizer.decoder = decoders.Metaspace(
+        replacement=SPACE_MARK, prepend_scheme="never", split=True
+    )
 
     trainer = trainers.BpeTrainer(
         vocab_size=BPE_VOCAB_SIZE,
         min_frequency=BPE_MIN_PAIR_FREQUENCY,
         show_progress=False,
-        # Full byte alphabet up front so any UTF-8 text encodes without <unk>.
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],  # added afterwards so their ids follow the BPE vocab
+        # The whole alphabet up front, not just what the corpus happens to use;
+        # the limit keeps a non-ASCII character, should one enter the corpus, out.
+        initial_alphabet=list(ALPHABET),
+        limit_alphabet=len(ALPHABET),
+        # The BPE model needs <unk> in its own vocab; the trainer puts it at id 0
+        # and adds it as a special token. Qwen3's tokens are added afterwards so
+        # their ids follow the BPE vocab.
+        special_tokens=[AddedToken(UNK, special=True, normalized=False)],
     )
     tokenizer.train_from_iterator(_corpus_paragraphs(), trainer=trainer)
 
@@ -243,7 +275,7 @@ def tokenizer_config() -> dict[str, Any]:
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
-        "unk_token": None,
+        "unk_token": UNK,
         # Listed like Qwen3 does, so `all_special_ids` covers the chat markers.
         "additional_special_tokens": [IM_START, IM_END],
         "add_bos_token": False,

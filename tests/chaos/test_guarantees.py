@@ -32,7 +32,7 @@ ACL_USER, ACL_PASSWORD = "edgeq", "acl-pw"
 LEASE_TTL_S = 2.0
 DRAIN_TIMEOUT_S = 30.0
 LONG = 300  # tokens: long enough to be mid-stream when something happens
-FULL_LENGTH_SEED = 8  # draws no end-of-turn token within LONG tokens on the tiny model
+FULL_LENGTH_SEED = 10  # draws no end-of-turn token within LONG tokens on the tiny model
 
 
 # --- fixtures: an authenticated, persisted Redis and workers we can kill ---------------------
