@@ -6,10 +6,12 @@
             ...
         answer = await job.result()
 
-``submit`` subscribes to the job's channel and waits for Redis to confirm the subscription
-before it enqueues, so not even the first token can be published before anyone listens.
-A stream that loses events (a dropped connection, a late reader) fills the gap from the job's
-replay buffer, so it is always complete, in order, with no duplicates.
+``submit`` subscribes to the job's channel and enqueues at once, without waiting for Redis to
+confirm the subscription: a stream that misses events (published before the subscription
+took effect, during a dropped connection, or before a late reader came) fills the gap from the
+job's replay buffer, so it is always complete, in order, with no duplicates. All of a client's
+streams share one pub/sub connection (``StreamSubscriptions``), and its commands a small
+bounded pool (``EDGEQ_CLIENT_MAX_CONNECTIONS``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import redis.exceptions
 from pydantic import ValidationError
-from redis.asyncio.client import PubSub
 
 from edgeq.core.connection import make_redis, redis_errors
 from edgeq.core.errors import (
@@ -35,7 +35,6 @@ from edgeq.core.errors import (
     StreamBroken,
 )
 from edgeq.core.events import EventLog, finished_with, read_events
-from edgeq.core.keys import stream_channel
 from edgeq.core.leases import declare_lost, lease_expired
 from edgeq.core.protocol import (
     ChatMessage,
@@ -52,10 +51,11 @@ from edgeq.core.protocol import (
 )
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.queue import Enqueued, JobQueue
+from edgeq.producer.subscriptions import RECONNECTED, StreamSubscriptions
 
 # While a stream is idle, how often to check that the job's worker still holds its lease.
 LEASE_CHECK_INTERVAL_S = 1.0
-# After a dropped connection, how long to wait between attempts to get the stream back.
+# After a dropped connection, how long to wait between attempts to get the streams back.
 RECONNECT_DELAY_S = 0.25
 
 MessagesLike = str | ChatRequest | Sequence[ChatMessage | Mapping[str, Any]]
@@ -75,29 +75,24 @@ def build_request(messages: MessagesLike, **fields: Any) -> ChatRequest:
         raise InvalidRequest(describe_validation_error(error)) from None
 
 
-async def _subscribe_confirmed(pubsub: PubSub, channel: str, timeout_s: float) -> None:
-    """SUBSCRIBE and wait for Redis's confirmation: from then on nothing published is missed."""
-    await pubsub.subscribe(channel)
-    deadline = time.monotonic() + timeout_s
-    while (remaining := deadline - time.monotonic()) > 0:
-        message = await pubsub.get_message(timeout=remaining)
-        if message is not None and message["type"] == "subscribe":
-            return
-    raise redis.exceptions.TimeoutError(f"no confirmation of SUBSCRIBE {channel}")
-
-
 class ChatJob:
     """A chat job's stream: read it once with ``stream()``, or just await ``result()``."""
 
-    def __init__(self, client: ChatClient, job_id: str, pubsub: PubSub, after_seq: int) -> None:
+    def __init__(
+        self, client: ChatClient, job_id: str, inbox: asyncio.Queue[bytes], after_seq: int
+    ) -> None:
         self.job_id = job_id
         self._client = client
-        self._pubsub: PubSub | None = pubsub
+        self._inbox = inbox  # what the client's pub/sub connection received on our channel
         self._last_seq = after_seq
         self._backlog: list[StreamEvent] = []
         self._text: list[str] = []
         self._terminal: DoneEvent | ErrorEvent | None = None
         self._closed = False
+        # Whether the replay buffer was read since subscribing: SUBSCRIBE is not confirmed,
+        # so a stream that stays silent reads it once in case it all came before.
+        self._replayed = False
+        self._unavailable: RedisUnavailable | None = None
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
         """Yield the job's events after ``after_seq`` in order, ending with its terminal event."""
@@ -139,13 +134,9 @@ class ChatJob:
 
     async def aclose(self) -> None:
         """Stop listening (the job itself goes on); safe to call more than once."""
-        self._closed = True
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            try:
-                await pubsub.aclose()
-            except (redis.exceptions.RedisError, OSError):
-                pass  # the connection is being dropped anyway
+        if not self._closed:
+            self._closed = True
+            await self._client.subscriptions.unsubscribe(self.job_id)
 
     async def _next_event(self) -> StreamEvent:
         settings = self._client.settings
@@ -154,20 +145,24 @@ class ChatJob:
             if self._backlog:
                 return self._backlog.pop(0)
             if time.monotonic() >= deadline:
+                if self._unavailable is not None:  # Redis was away the whole time
+                    raise self._unavailable
                 raise JobTimeout(
                     self.job_id,
                     settings.stream_timeout_s,
                     "is a worker running and serving this queue? "
                     "(EDGEQ_STREAM_TIMEOUT_S sets the wait)",
                 )
+            wait_s = min(LEASE_CHECK_INTERVAL_S, max(0.0, deadline - time.monotonic()))
             try:
-                event = await self._receive(min(LEASE_CHECK_INTERVAL_S, settings.stream_timeout_s))
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                await self._reconnect(deadline)
+                raw = await asyncio.wait_for(self._inbox.get(), wait_s)
+            except TimeoutError:
+                await self._while_silent()
                 continue
-            if event is None:
-                await self._check_worker_alive()
+            if raw == RECONNECTED:
+                await self._while_silent(replay=True)
                 continue
+            event = self._decode(raw)
             if event.seq <= self._last_seq:
                 continue  # already seen (a replayed event arriving live too)
             if event.seq > self._last_seq + 1:
@@ -175,21 +170,30 @@ class ChatJob:
                 continue
             return event
 
-    async def _receive(self, wait_s: float) -> StreamEvent | None:
-        if self._pubsub is None:
-            raise redis.exceptions.ConnectionError("not subscribed")
-        message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=wait_s)
-        if message is None or message["type"] != "message":
-            return None
+    def _decode(self, raw: bytes) -> StreamEvent:
         try:
-            event = decode_event(message["data"])
+            event = decode_event(raw)
         except ValidationError as error:
             raise StreamBroken(f"job {self.job_id}: undecodable event: {error}") from None
         if event.job_id != self.job_id:
             raise StreamBroken(f"job {self.job_id}: got an event of job {event.job_id}")
         return event
 
+    async def _while_silent(self, *, replay: bool = False) -> None:
+        """Nothing came for a while (or the connection came back): read the replay buffer if
+        events may have been missed, and check the job's worker is alive. Redis being away
+        is survived until the stream's deadline."""
+        try:
+            if replay or not self._replayed:
+                await self._backfill()
+            await self._check_worker_alive()
+        except RedisUnavailable as error:
+            self._unavailable = error
+        else:
+            self._unavailable = None
+
     async def _backfill(self) -> None:
+        self._replayed = True
         with redis_errors(self._client.settings.redis_url):
             events = await read_events(self._client.redis, self.job_id, self._last_seq)
         expected = self._last_seq + 1
@@ -201,22 +205,6 @@ class ChatJob:
                 )
             expected += 1
         self._backlog.extend(events)
-
-    async def _reconnect(self, deadline: float) -> None:
-        """Subscribe again, then fill in whatever was published while we were away."""
-        await self.aclose()
-        self._closed = False
-        while True:
-            try:
-                self._pubsub = await self._client._subscribe(self.job_id)
-                await self._backfill()
-                return
-            except RedisUnavailable:
-                await self.aclose()
-                self._closed = False
-                if time.monotonic() + RECONNECT_DELAY_S >= deadline:
-                    raise
-                await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _check_worker_alive(self) -> None:
         """If the job's worker stopped renewing its lease, end the job with ``worker_lost``."""
@@ -237,9 +225,14 @@ class ChatClient:
         elif overrides:
             settings = settings.model_copy(update=overrides)
         self.settings = settings
-        self.redis = make_redis(settings)
+        self.redis = make_redis(settings, max_connections=settings.client_max_connections)
         self.queue = JobQueue(self.redis, settings.queue)
         self.events = EventLog(self.redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue)
+        self.subscriptions = StreamSubscriptions(
+            self.redis,
+            read_timeout_s=LEASE_CHECK_INTERVAL_S,
+            reconnect_delay_s=RECONNECT_DELAY_S,
+        )
 
     @classmethod
     def from_url(cls, redis_url: str, **overrides: Any) -> ChatClient:
@@ -252,13 +245,14 @@ class ChatClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self.subscriptions.aclose()
         # The pool was handed to redis-py, which then leaves it open unless told to close it.
         await self.redis.aclose(close_connection_pool=True)
 
     async def submit(
         self, messages: MessagesLike, *, deadline_s: float | None = None, **fields: Any
     ) -> ChatJob:
-        """Validate, subscribe to the job's channel, wait for Redis to confirm, then enqueue.
+        """Validate, subscribe to the job's channel, then enqueue (see the module doc).
 
         ``deadline_s`` (default EDGEQ_QUEUE_DEADLINE_S): a job not started by then ends with
         ``expired`` and never starts. Raises QueueFull when EDGEQ_MAX_QUEUE jobs are queued
@@ -276,26 +270,25 @@ class ChatClient:
         )
         if problem:
             raise InvalidRequest(problem)
-        job_id = uuid.uuid4().hex
-        pubsub = await self._subscribe(job_id)
+        job = await self._subscribe(uuid.uuid4().hex, after_seq=-1)
         try:
             with redis_errors(settings.redis_url):
                 outcome = await self.queue.enqueue(
-                    job_id,
+                    job.job_id,
                     payload,
                     deadline_s=deadline_s if deadline_s is not None else settings.queue_deadline_s,
                     max_depth=settings.max_queue,
                 )
         except BaseException:
-            await pubsub.aclose()
+            await job.aclose()
             raise
         if outcome is not Enqueued.ACCEPTED:
-            await pubsub.aclose()
+            await job.aclose()
             raise QueueFull(
                 f"queue {settings.queue} already holds {settings.max_queue} jobs "
                 f"(EDGEQ_MAX_QUEUE); try again shortly"
             )
-        return ChatJob(self, job_id, pubsub, after_seq=-1)
+        return job
 
     async def chat(self, messages: MessagesLike, **fields: Any) -> ChatResult:
         """Submit and wait for the whole answer."""
@@ -306,8 +299,7 @@ class ChatClient:
         """Follow an existing job from ``after_seq`` on: what was published is replayed from the
         job's buffer (kept EDGEQ_REPLAY_TTL_S), then the stream follows live, with no gap and
         no duplicate. Works after the job finished, until its buffer expires."""
-        pubsub = await self._subscribe(job_id)
-        job = ChatJob(self, job_id, pubsub, after_seq=after_seq)
+        job = await self._subscribe(job_id, after_seq=after_seq)
         try:
             await job._backfill()
             if not job._backlog:  # nothing after after_seq: maybe the stream already ended
@@ -326,14 +318,7 @@ class ChatClient:
         with redis_errors(self.settings.redis_url):
             return await self.queue.cancel(self.events, job_id, reason)
 
-    async def _subscribe(self, job_id: str) -> PubSub:
-        pubsub = self.redis.pubsub()
-        try:
-            with redis_errors(self.settings.redis_url):
-                await _subscribe_confirmed(
-                    pubsub, stream_channel(job_id), self.settings.redis_socket_timeout_s
-                )
-        except BaseException:
-            await pubsub.aclose()
-            raise
-        return pubsub
+    async def _subscribe(self, job_id: str, *, after_seq: int) -> ChatJob:
+        with redis_errors(self.settings.redis_url):
+            inbox = await self.subscriptions.subscribe(job_id)
+        return ChatJob(self, job_id, inbox, after_seq=after_seq)

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis.exceptions
 from arq.connections import ArqRedis
-from redis.asyncio import ConnectionPool
+from redis.asyncio import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 from edgeq.core.errors import RedisUnavailable
@@ -26,8 +26,15 @@ def make_redis(
     *,
     job_serializer: Callable[[Any], bytes] = dump_json,
     job_deserializer: Callable[[bytes], Any] = load_json,
+    max_connections: int | None = None,
 ) -> ArqRedis:
     """One pooled client (arq's Redis subclass, JSON serializers) for a process or a client.
+
+    ``max_connections`` caps the pool: past it, a command waits (up to the socket timeout)
+    for a connection to come free instead of opening another, so a burst from one client
+    does not cost Redis one connection per caller. None: no cap (the worker's pool, whose
+    callers are bounded by its jobs). A Sentinel pool is never capped (redis-py has no
+    blocking Sentinel pool: a cap there would fail commands instead of queueing them).
 
     With a ``redis+sentinel://`` URL the pool asks the Sentinels where the master is before
     each new connection, and again after a failover (as arq's own ``create_pool`` does).
@@ -38,9 +45,18 @@ def make_redis(
         "socket_keepalive": True,
     }
     if not is_sentinel_url(settings.redis_url):
-        pool = ConnectionPool.from_url(
-            settings.redis_url, health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S, **sockets
-        )
+        if max_connections is None:
+            pool = ConnectionPool.from_url(
+                settings.redis_url, health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S, **sockets
+            )
+        else:
+            pool = BlockingConnectionPool.from_url(
+                settings.redis_url,
+                health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S,
+                max_connections=max_connections,
+                timeout=settings.redis_socket_timeout_s,
+                **sockets,
+            )
         return ArqRedis(
             pool,
             job_serializer=job_serializer,

@@ -53,6 +53,15 @@ class ConnectionSettings(BaseSettings):
     redis_socket_timeout_s: float = Field(
         10.0, gt=0, description="Give up on one Redis command after this long."
     )
+    client_max_connections: int = Field(
+        4,
+        ge=2,
+        description=(
+            "Redis connections one ChatClient (and so the gateway) opens at most: one pub/sub "
+            "connection carries all its streams, the rest its commands; a burst waits for a "
+            "free one instead of opening more (not applied to redis+sentinel:// URLs)."
+        ),
+    )
     stream_timeout_s: float = Field(
         120.0,
         gt=0,

@@ -1,0 +1,112 @@
+"""One pub/sub connection for every stream a client follows.
+
+A client with a thousand jobs in flight holds one pub/sub connection, not a thousand: each
+job's channel is subscribed on it, and one reader task routes every message to the queue of
+the job whose channel it came on.
+
+``subscribe`` sends SUBSCRIBE and returns; it does not wait for Redis's confirmation. Nothing
+is lost by that: every event carries a gap-free ``seq`` and stays in the job's replay stream,
+so a job that sees a gap, or nothing at all for a while, reads what it missed from there
+(``ChatJob``). The same holds after a dropped connection: redis-py subscribes again to every
+channel when it reconnects, and the reader then tells every job to read its replay stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Final
+
+import redis.exceptions
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+
+from edgeq.core.keys import stream_channel
+
+#: Put on every job's queue after the connection came back: events may have been missed.
+RECONNECTED: Final = b""
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class StreamSubscriptions:
+    """The job channels of one client on one pub/sub connection (see the module doc)."""
+
+    def __init__(self, redis: Redis, *, read_timeout_s: float, reconnect_delay_s: float) -> None:
+        self._redis = redis
+        self._read_timeout_s = read_timeout_s
+        self._reconnect_delay_s = reconnect_delay_s
+        self._pubsub: PubSub | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._queues: dict[bytes, asyncio.Queue[bytes]] = {}
+        # One writer at a time: redis-py's PubSub takes a pool connection on its first command
+        # and (re)connects on later ones without a lock of its own, so concurrent subscribes
+        # would each take a connection (or connect twice) and leak all but one.
+        self._writing = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    async def subscribe(self, job_id: str) -> asyncio.Queue[bytes]:
+        """A queue that receives the raw events published on the job's channel (and
+        ``RECONNECTED`` after an outage). Raises redis-py's error if Redis is unreachable."""
+        channel = stream_channel(job_id).encode()
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queues[channel] = queue
+        try:
+            async with self._writing:
+                await self._connected().subscribe(channel)
+        except BaseException:
+            self._queues.pop(channel, None)
+            raise
+        self._start_reader()
+        return queue
+
+    async def unsubscribe(self, job_id: str) -> None:
+        """Stop routing the job's channel; UNSUBSCRIBE is sent (not awaited past the write)."""
+        channel = stream_channel(job_id).encode()
+        if self._queues.pop(channel, None) is None or self._pubsub is None:
+            return
+        with contextlib.suppress(*REDIS_ERRORS):  # a dropped connection subscribes to nothing
+            async with self._writing:
+                await self._pubsub.unsubscribe(channel)
+
+    async def aclose(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+        pubsub, self._pubsub = self._pubsub, None
+        self._queues.clear()
+        if pubsub is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await pubsub.aclose()
+
+    def _connected(self) -> PubSub:
+        if self._pubsub is None:
+            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        return self._pubsub
+
+    def _start_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read(), name="edgeq-stream-reader")
+
+    async def _read(self) -> None:
+        pubsub = self._connected()
+        missed = False
+        while True:
+            try:
+                message = await pubsub.get_message(timeout=self._read_timeout_s)
+            except REDIS_ERRORS:
+                missed = True  # redis-py reconnects (and subscribes again) on the next read
+                await asyncio.sleep(self._reconnect_delay_s)
+                continue
+            if missed:
+                missed = False
+                for queue in self._queues.values():
+                    queue.put_nowait(RECONNECTED)
+            if message is None or message["type"] != "message":
+                continue
+            queue = self._queues.get(message["channel"])
+            if queue is not None:  # else a late message of a stream already closed
+                queue.put_nowait(message["data"])

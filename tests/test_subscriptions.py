@@ -1,0 +1,126 @@
+"""One client, many streams, few connections: every stream a ChatClient follows rides on one
+pub/sub connection, its commands on a small bounded pool, and nothing is lost for it — not by
+the unconfirmed SUBSCRIBE, not by a dropped pub/sub connection. Real Redis; the test plays the
+worker's side through the same event log the worker writes with."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from edgeq.core.events import EventLog
+from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent, Timings, Usage
+from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.testing.processes import RedisServer
+from helpers import FIGURES, assert_intact
+
+IN_FLIGHT = 1000
+DELTAS = 3
+MAX_CONNECTIONS = 4
+
+
+def done(job_id: str) -> DoneEvent:
+    return DoneEvent(
+        job_id=job_id,
+        seq=0,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=DELTAS),
+        timings=Timings(queued_ms=1, ttft_ms=2, total_ms=3),
+    )
+
+
+async def connections_named(redis: Redis, name: str) -> int:
+    return sum(1 for client in await redis.client_list() if client.get("name") == name)
+
+
+@pytest.fixture
+async def named_client(redis_server: RedisServer, queue: str) -> AsyncIterator[ChatClient]:
+    """A client on a queue no worker serves, its connections named for CLIENT LIST."""
+    name = f"edgeq-mux-{uuid.uuid4().hex[:10]}"
+    async with ChatClient(
+        redis_url=f"{redis_server.url}?client_name={name}", queue=queue, max_queue=0
+    ) as client:
+        client.connection_name = name  # type: ignore[attr-defined]
+        yield client
+
+
+async def collect(job: ChatJob) -> list[StreamEvent]:
+    return [event async for event in job.stream()]
+
+
+async def test_a_thousand_streams_in_flight_hold_at_most_four_connections(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    name = named_client.connection_name  # type: ignore[attr-defined]
+    started = time.perf_counter()
+    jobs = await asyncio.gather(
+        *(named_client.submit(f"question {n}", max_tokens=4) for n in range(IN_FLIGHT))
+    )
+    submitted_s = time.perf_counter() - started
+    held = await connections_named(redis, name)
+    assert held <= MAX_CONNECTIONS, f"{held} connections for {IN_FLIGHT} jobs in flight"
+
+    readers = [asyncio.create_task(collect(job)) for job in jobs]
+    worker_side = EventLog(redis, replay_ttl_s=60, batched=True)
+    for step in range(DELTAS):
+        await asyncio.gather(
+            *(worker_side.append(DeltaEvent(job_id=j.job_id, seq=0, text=f"{step}")) for j in jobs)
+        )
+    await asyncio.gather(*(worker_side.append(done(job.job_id)) for job in jobs))
+    streams = await asyncio.wait_for(asyncio.gather(*readers), timeout=60)
+    for job, events in zip(jobs, streams, strict=True):
+        assert_intact(events, job.job_id)
+        assert "".join(e.text for e in events if isinstance(e, DeltaEvent)) == "012"
+    held_after = await connections_named(redis, name)
+    assert held_after <= MAX_CONNECTIONS
+    FIGURES[f"one ChatClient, {IN_FLIGHT} jobs in flight: Redis connections"] = (
+        f"{held} while queued, {held_after} after streaming them all; "
+        f"{IN_FLIGHT} submits in {submitted_s * 1000:.0f} ms"
+    )
+    await named_client.redis.delete(named_client.settings.queue)
+
+
+async def test_a_stream_whose_events_all_came_before_the_subscription_still_arrives(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    """SUBSCRIBE is not confirmed before the enqueue: were a whole (short) stream published
+    before Redis took the subscription, the silent stream reads its replay buffer."""
+    job_id = uuid.uuid4().hex
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="early"))
+    await worker_side.append(done(job_id))
+    job = await named_client._subscribe(job_id, after_seq=-1)
+    events = await asyncio.wait_for(collect(job), timeout=10)
+    assert_intact(events, job_id)
+    assert [event.type for event in events] == ["delta", "done"]
+
+
+async def test_a_dropped_pubsub_connection_loses_no_event(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    jobs = [await named_client.submit(f"q{n}", max_tokens=4) for n in range(5)]
+    readers = [asyncio.create_task(collect(job)) for job in jobs]
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    for job in jobs:
+        await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="a"))
+    await asyncio.sleep(0.2)
+    name = named_client.connection_name  # type: ignore[attr-defined]
+    (pubsub_id,) = [
+        client["id"]
+        for client in await redis.client_list()
+        if client.get("name") == name and client["flags"] == "P"  # P: a pub/sub connection
+    ]
+    assert await redis.client_kill_filter(_id=pubsub_id) == 1
+    for job in jobs:  # published while the client is reconnecting: only the buffer has them
+        await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="b"))
+        await worker_side.append(done(job.job_id))
+    streams = await asyncio.wait_for(asyncio.gather(*readers), timeout=30)
+    for job, events in zip(jobs, streams, strict=True):
+        assert_intact(events, job.job_id)
+        assert "".join(e.text for e in events if isinstance(e, DeltaEvent)) == "ab"
+    await named_client.redis.delete(named_client.settings.queue)
