@@ -8,11 +8,13 @@ import uuid
 
 from redis.asyncio import Redis
 
-from edgeq.core.keys import in_progress_key
+from edgeq.core.keys import in_progress_key, leases_key
+from edgeq.core.leases import redis_now_ms
 from edgeq.worker.pickup import claim_due_jobs
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000
+LEASE_MS = 10_000
 
 
 async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS) -> list[str]:
@@ -24,8 +26,9 @@ async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS
 
 async def claim(redis: Redis, queue: str, job_ids: list[str], wanted: int) -> list[str]:
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=wanted, ttl_ms=TTL_MS, now_ms=NOW_MS + 10_000
-    )
+        redis, queue, job_ids, wanted=wanted, ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS,
+        now_ms=NOW_MS + 10_000,
+    )  # fmt: skip
     return [job_id for job_id, _ in taken]
 
 
@@ -34,13 +37,20 @@ async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress
 ) -> None:
     job_ids = await queued(redis, queue, 5)
 
+    before_ms = await redis_now_ms(redis)
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=3, ttl_ms=TTL_MS, now_ms=NOW_MS + 10_000
-    )
+        redis, queue, job_ids, wanted=3, ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS,
+        now_ms=NOW_MS + 10_000,
+    )  # fmt: skip
+    after_ms = await redis_now_ms(redis)
 
     assert taken == [(job_id, NOW_MS + n) for n, job_id in enumerate(job_ids[:3])]
     for job_id in job_ids[:3]:
         assert 0 < await redis.pttl(in_progress_key(job_id)) <= TTL_MS
+        # Leased in the same step, from Redis's clock: never taken without a lease.
+        expiry = await redis.zscore(leases_key(queue), job_id)
+        assert expiry is not None and before_ms + LEASE_MS <= expiry <= after_ms + LEASE_MS
+    assert await redis.zcard(leases_key(queue)) == 3
     assert not await redis.exists(*(in_progress_key(job_id) for job_id in job_ids[3:]))
     # The next look takes what is left, then nothing.
     assert await claim(redis, queue, job_ids, wanted=10) == job_ids[3:]
@@ -56,6 +66,7 @@ async def test_skips_jobs_taken_elsewhere_deferred_or_finished(redis: Redis, que
     assert await claim(redis, queue, [taken_elsewhere, deferred, finished, due], 10) == [due]
     assert await redis.ttl(in_progress_key(taken_elsewhere)) == -1  # left as it was
     assert not await redis.exists(in_progress_key(deferred), in_progress_key(finished))
+    assert await redis.zrange(leases_key(queue), 0, -1) == [due.encode()]
 
 
 async def test_two_workers_claiming_at_once_never_take_the_same_job(

@@ -24,7 +24,7 @@ from edgeq.core.connection import make_redis
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import health_check_key
-from edgeq.core.leases import reap_lost_jobs, renew_leases
+from edgeq.core.leases import reap_lost_jobs, release_lease, renew_leases
 from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.worker.engine import ChatEngine, describe_device
@@ -92,6 +92,7 @@ class EdgeqWorker(FastPickupWorker):
         state = worker_state(self.ctx)
         state.metrics.job_ended(code.value)
         try:
+            await release_lease(state.redis, state.settings.queue, job_id)  # leased at claim
             await state.events.append(event)
             log.info("job_failed", job_id=job_id, code=code.value, reason=message)
         except StreamClosed:
@@ -253,4 +254,5 @@ def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
         serve_metrics(settings.metrics_host, settings.metrics_port)
     worker = build_worker(settings, process_started=process_started, metrics=metrics)
     worker.fast_pickup = settings.fast_pickup
+    worker.lease_ttl_ms = int(settings.lease_ttl_s * 1000)
     worker.run()

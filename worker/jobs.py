@@ -86,8 +86,10 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
     try:
-        # Leased at once, so a worker killed from here on is noticed (README, "Guarantees").
-        await renew_leases(state.redis, settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
+        # The fast claim leased the job as it took it; arq's own claim does not, so lease it
+        # at once: a worker killed from here on is noticed (README, "Guarantees").
+        if not settings.fast_pickup:
+            await renew_leases(state.redis, settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(
                 state.ready_engine, settings, metrics, publisher, payload, enqueued_s

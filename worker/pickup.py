@@ -15,6 +15,9 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
 - ``start_jobs`` takes as many due jobs as it has free slots in one Lua script
   (``claim_due_jobs``), setting arq's own in-progress key as arq would: whichever worker runs
   it first takes what it can hold, the next one takes the rest, and no job is taken twice.
+  The same step writes each job's lease (on Redis's clock, core/leases.py), so a job is never
+  taken without one: a worker that dies, or loses Redis, right after its claim still leaves
+  jobs that anyone can declare lost.
 """
 
 from __future__ import annotations
@@ -29,23 +32,27 @@ from arq.utils import timestamp_ms
 from arq.worker import Worker
 from redis.asyncio import Redis
 
-from edgeq.core.keys import in_progress_key, wake_channel
+from edgeq.core.keys import in_progress_key, leases_key, wake_channel
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
 # After a Redis error while waiting, pause this long before trying again.
 WAIT_RETRY_S = 0.5
 
-# KEYS: the queue, then arq's in-progress key of each candidate; ARGV: now (ms), how many to
-# take, the in-progress TTL (ms), then the candidates' ids. Returns id, score, id, score, ...
+# KEYS: the queue, the queue's leases, then arq's in-progress key of each candidate; ARGV:
+# now (ms), how many to take, the in-progress TTL (ms), the lease TTL (ms), then the
+# candidates' ids. Returns id, score, id, score, ...
 _CLAIM = """
 local now, wanted, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local clock = redis.call('TIME')
+local lease = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[4])
 local claimed = {}
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   if #claimed >= 2 * wanted then break end
   local job_id = ARGV[i + 2]
   local score = redis.call('ZSCORE', KEYS[1], job_id)
   if score and tonumber(score) <= now and redis.call('SET', KEYS[i], '1', 'NX', 'PX', ttl) then
+    redis.call('ZADD', KEYS[2], lease, job_id)
     claimed[#claimed + 1] = job_id
     claimed[#claimed + 1] = score
   end
@@ -58,15 +65,23 @@ _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError
 
 
 async def claim_due_jobs(
-    redis: Redis, queue: str, job_ids: list[str], *, wanted: int, ttl_ms: int, now_ms: int
+    redis: Redis,
+    queue: str,
+    job_ids: list[str],
+    *,
+    wanted: int,
+    ttl_ms: int,
+    lease_ttl_ms: int,
+    now_ms: int,
 ) -> list[tuple[str, int]]:
     """Take up to ``wanted`` of ``job_ids``, in their order, in one round trip: each one that is
     due (in the queue with a score up to ``now_ms``: not deferred, not finished) and not taken
-    (arq's in-progress key is set only if absent, for ``ttl_ms``). Returns (id, score) pairs."""
+    (arq's in-progress key is set only if absent, for ``ttl_ms``), and lease each one taken
+    for ``lease_ttl_ms`` from Redis's clock. Returns (id, score) pairs."""
     claim = redis.register_script(_CLAIM)
     claimed = await claim(
-        keys=[queue, *(in_progress_key(job_id) for job_id in job_ids)],
-        args=[now_ms, wanted, ttl_ms, *job_ids],
+        keys=[queue, leases_key(queue), *(in_progress_key(job_id) for job_id in job_ids)],
+        args=[now_ms, wanted, ttl_ms, lease_ttl_ms, *job_ids],
     )
     return [
         (raw_id.decode(), int(float(raw_score)))
@@ -78,6 +93,8 @@ class FastPickupWorker(Worker):
     """arq's Worker with a wake-up channel and one round trip per claim (see the module doc)."""
 
     _wake: Any = None
+    #: How long the lease written at claim lasts (EDGEQ_LEASE_TTL_S), in ms.
+    lease_ttl_ms = 10_000
     #: False gives arq's own polling back (EDGEQ_FAST_PICKUP=false): for comparisons, and as
     #: a way out should a future arq change the internals overridden here.
     fast_pickup = True
@@ -127,6 +144,7 @@ class FastPickupWorker(Worker):
             candidates,
             wanted=free_slots,
             ttl_ms=int(self.in_progress_timeout_s * 1000),
+            lease_ttl_ms=self.lease_ttl_ms,
             now_ms=timestamp_ms(),
         )
         for job_id, score in claimed:
