@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from edgeq.core.batching import BatchedScript
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import job_key, wake_channel
@@ -39,7 +40,8 @@ class JobQueue:
     def __init__(self, redis: Redis, queue: str) -> None:
         self.name = queue
         self._redis = redis
-        self._enqueue = redis.register_script(_ENQUEUE)
+        # Submits from many coroutines share one pipeline per loop turn (core/batching.py).
+        self._enqueue = BatchedScript(redis, _ENQUEUE)
 
     async def enqueue(
         self, job_id: str, request: dict[str, Any], *, deadline_s: float, max_depth: int
@@ -53,8 +55,8 @@ class JobQueue:
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
         job = {"f": JOB_FUNCTION, "a": [request], "k": {}, "t": 1, "et": round(now_ms, 3)}
         outcome = await self._enqueue(
-            keys=[self.name, job_key(job_id)],
-            args=[
+            [self.name, job_key(job_id)],
+            [
                 dump_json(job),
                 int(now_ms),
                 int(deadline_s * 1000),

@@ -42,6 +42,10 @@ class StreamSubscriptions:
         # and (re)connects on later ones without a lock of its own, so concurrent subscribes
         # would each take a connection (or connect twice) and leak all but one.
         self._writing = asyncio.Lock()
+        # Channels asked for while a SUBSCRIBE is being written go out in the next one: a
+        # burst of submits costs one write, not one per job.
+        self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
+        self._subscriber: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._queues)
@@ -52,30 +56,56 @@ class StreamSubscriptions:
         channel = stream_channel(job_id).encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._queues[channel] = queue
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((channel, sent))
+        if self._subscriber is None or self._subscriber.done():
+            self._subscriber = asyncio.create_task(self._send_subscribes())
         try:
-            async with self._writing:
-                await self._connected().subscribe(channel)
+            await sent
         except BaseException:
             self._queues.pop(channel, None)
             raise
         self._start_reader()
         return queue
 
+    async def _send_subscribes(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                async with self._writing:
+                    await self._connected().subscribe(*(channel for channel, _ in batch))
+            except BaseException as error:  # each waiting submit learns what happened
+                for _, sent in batch:
+                    if not sent.done():
+                        sent.set_exception(error)
+                if not isinstance(error, Exception):
+                    raise
+                continue
+            for _, sent in batch:
+                if not sent.done():
+                    sent.set_result(None)
+
     async def unsubscribe(self, job_id: str) -> None:
         """Stop routing the job's channel; UNSUBSCRIBE is sent (not awaited past the write)."""
         channel = stream_channel(job_id).encode()
-        if self._queues.pop(channel, None) is None or self._pubsub is None:
+        if self._queues.pop(channel, None) is None:
             return
-        with contextlib.suppress(*REDIS_ERRORS):  # a dropped connection subscribes to nothing
-            async with self._writing:
-                await self._pubsub.unsubscribe(channel)
+        async with self._writing:
+            pubsub = self._pubsub  # None once the client is closed: nothing to unsubscribe
+            if pubsub is not None:
+                with contextlib.suppress(*REDIS_ERRORS):  # a dropped connection has no channel
+                    await pubsub.unsubscribe(channel)
 
     async def aclose(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+        for task in (self._reader, self._subscriber):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reader = self._subscriber = None
+        pending, self._pending = self._pending, []
+        for _, sent in pending:  # submits still waiting for their SUBSCRIBE: it never went out
+            sent.cancel()
         pubsub, self._pubsub = self._pubsub, None
         self._queues.clear()
         if pubsub is not None:

@@ -94,9 +94,9 @@ async def measure_bursts(client: ChatClient, bursts: int) -> list[float]:
     return samples
 
 
-async def measure_publish(redis_url: str, *, unbatched: bool) -> float:
+async def measure_publish(redis_url: str) -> float:
     async with ChatClient(redis_url=redis_url, queue=QUEUE) as client:
-        log = EventLog(client.redis, replay_ttl_s=60, batched=not unbatched)
+        log = EventLog(client.redis, replay_ttl_s=60)
 
         async def publisher(index: int) -> None:
             for _ in range(EVENTS_EACH):
@@ -140,8 +140,7 @@ def main() -> int:
         figures, burst_samples = asyncio.run(pickup())
     finally:
         worker.stop()
-    batched = asyncio.run(measure_publish(redis_server.url, unbatched=False))
-    unbatched = asyncio.run(measure_publish(redis_server.url, unbatched=True))
+    published = asyncio.run(measure_publish(redis_server.url))
     redis_server.stop()
 
     mode = "EDGEQ_FAST_PICKUP=false (arq's polling)" if args.before else "fast pickup"
@@ -158,10 +157,7 @@ def main() -> int:
         f"{percentile(burst_samples, 0.99):.3f} | {max(burst_samples):.3f} |"
     )
     print(f"\nidle worker process: {idle_pct:.2f} % of one core over {IDLE_SAMPLE_S:g} s")
-    print(
-        f"publish path, {PUBLISHERS} concurrent jobs: {batched:,.0f} events/s batched "
-        f"(the worker's), {unbatched:,.0f} events/s one round trip each"
-    )
+    print(f"publish path, {PUBLISHERS} concurrent jobs: {published:,.0f} events/s")
     return 0
 
 

@@ -11,7 +11,7 @@ from redis.asyncio.client import PubSub
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog, read_events
 from edgeq.core.keys import stream_channel
-from edgeq.core.protocol import Timings, Usage
+from edgeq.core.protocol import DeltaEvent, Timings, Usage
 from edgeq.worker.publisher import StreamPublisher
 
 
@@ -113,7 +113,7 @@ async def test_batched_appends_from_many_jobs_keep_each_jobs_order(redis: Redis)
     """The worker's batched log: many jobs' appends share round trips, each job's order holds."""
     import asyncio
 
-    log = EventLog(redis, replay_ttl_s=60, batched=True)
+    log = EventLog(redis, replay_ttl_s=60)
 
     async def job(index: int) -> None:
         publisher = StreamPublisher(log, f"batch-{index}", interval_s=0)
@@ -127,3 +127,16 @@ async def test_batched_appends_from_many_jobs_keep_each_jobs_order(redis: Redis)
         assert [e.seq for e in events] == list(range(31))
         assert "".join(e.text for e in events[:-1]) == "".join(f"{p}," for p in range(30))
         assert events[-1].type == "error"
+
+
+async def test_appends_survive_a_flushed_script_cache(redis: Redis) -> None:
+    """After a Redis restart its scripts are gone: the log loads its script again and the
+    calls that found it missing are sent again, once each (no gap, no duplicate)."""
+    log = EventLog(redis, replay_ttl_s=60)
+    await log.append(DeltaEvent(job_id="p5", seq=0, text="a"))
+    await redis.script_flush()
+    published = await log.append_many(
+        [DeltaEvent(job_id="p5", seq=0, text="b"), DeltaEvent(job_id="p5", seq=0, text="c")]
+    )
+    assert [item.seq for item in published] == [1, 2]
+    assert [e.text for e in await read_events(redis, "p5")] == ["a", "b", "c"]

@@ -66,7 +66,7 @@ async def test_a_thousand_streams_in_flight_hold_at_most_four_connections(
     assert held <= MAX_CONNECTIONS, f"{held} connections for {IN_FLIGHT} jobs in flight"
 
     readers = [asyncio.create_task(collect(job)) for job in jobs]
-    worker_side = EventLog(redis, replay_ttl_s=60, batched=True)
+    worker_side = EventLog(redis, replay_ttl_s=60)
     for step in range(DELTAS):
         await asyncio.gather(
             *(worker_side.append(DeltaEvent(job_id=j.job_id, seq=0, text=f"{step}")) for j in jobs)
@@ -124,3 +124,10 @@ async def test_a_dropped_pubsub_connection_loses_no_event(
         assert_intact(events, job.job_id)
         assert "".join(e.text for e in events if isinstance(e, DeltaEvent)) == "ab"
     await named_client.redis.delete(named_client.settings.queue)
+
+
+async def test_closing_a_stream_after_its_client_is_a_no_op(redis_server: RedisServer) -> None:
+    client = ChatClient(redis_url=redis_server.url, queue=f"edgeq:test-{uuid.uuid4().hex[:8]}")
+    jobs = [await client.submit(f"q{n}", max_tokens=4) for n in range(3)]
+    await asyncio.gather(client.aclose(), *(job.aclose() for job in jobs))
+    await jobs[0].aclose()  # again, after everything: still nothing to do

@@ -208,9 +208,7 @@ def build_worker(
     state = WorkerState(
         settings=settings,
         redis=redis,
-        events=EventLog(
-            redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue, batched=True
-        ),
+        events=EventLog(redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue),
         metrics=metrics,
         process_started=process_started,
         started_at=time.time(),

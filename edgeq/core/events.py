@@ -17,13 +17,12 @@ The braces in key names are Redis Cluster hash tags: a job's keys live in one sl
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from redis.asyncio import Redis
 
+from edgeq.core.batching import BatchedScript
 from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import events_key, outcomes_key, stream_channel, terminal_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
@@ -63,27 +62,15 @@ class Published:
 class EventLog:
     """Appends events to jobs' logs (replay stream + pub/sub) through the publish script.
 
-    With ``batched=True`` (the worker) appends from all jobs that arrive while a round trip is
-    in flight go out together in the next pipeline: one round trip per loop turn instead of
-    one per event, which is what lets one worker stream hundreds of chats. Each caller still
-    awaits its own result, so per-job order and StreamClosed are unchanged.
+    Appends from all jobs that arrive while a round trip is in flight go out together in the
+    next pipeline (core/batching.py). Each caller still awaits its own result, so per-job
+    order and StreamClosed are unchanged.
     """
 
-    def __init__(
-        self,
-        redis: Redis,
-        *,
-        replay_ttl_s: float,
-        queue: str | None = None,
-        batched: bool = False,
-    ) -> None:
-        self._redis = redis
+    def __init__(self, redis: Redis, *, replay_ttl_s: float, queue: str | None = None) -> None:
         self._queue = queue  # where terminal outcomes are counted (None: not counted)
-        self._script = redis.register_script(_PUBLISH)
+        self._publish = BatchedScript(redis, _PUBLISH)
         self._ttl_ms = str(int(replay_ttl_s * 1000))
-        self._batched = batched
-        self._queued: list[tuple[list[str], list[bytes | str], asyncio.Future[Any]]] = []
-        self._flusher: asyncio.Task[None] | None = None
 
     def _arguments(self, event: AnyEvent) -> tuple[list[str], list[bytes | str]]:
         raw = event.model_copy(update={"seq": 0}).model_dump_json(exclude_none=True).encode()
@@ -104,42 +91,10 @@ class EventLog:
 
     async def append_many(self, events: list[AnyEvent]) -> list[Published]:
         """Append several events of one job, in order, in one round trip."""
-        if self._batched:
-            loop = asyncio.get_running_loop()
-            futures = []
-            for event in events:
-                future: asyncio.Future[Any] = loop.create_future()
-                self._queued.append((*self._arguments(event), future))
-                futures.append(future)
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.create_task(self._flush())
-            replies = await asyncio.gather(*futures)
-        else:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for event in events:
-                    keys, args = self._arguments(event)
-                    await self._script(keys=keys, args=args, client=pipe)
-                replies = await pipe.execute()
+        replies = await self._publish.call_many([self._arguments(event) for event in events])
         if any(seq < 0 for seq, _ in replies):
             raise StreamClosed(events[0].job_id)
         return [Published(seq=int(seq), listeners=int(listeners)) for seq, listeners in replies]
-
-    async def _flush(self) -> None:
-        while self._queued:
-            batch, self._queued = self._queued, []
-            try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for keys, args, _ in batch:
-                        await self._script(keys=keys, args=args, client=pipe)
-                    replies = await pipe.execute()
-            except Exception as error:  # every waiting job learns what happened
-                for _, _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, _, future), reply in zip(batch, replies, strict=True):
-                if not future.done():
-                    future.set_result(reply)
 
 
 async def read_events(redis: Redis, job_id: str, after_seq: int = -1) -> list[AnyEvent]:
