@@ -18,6 +18,7 @@ from tqdm import tqdm
 from edgeq.bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
 from edgeq.bench.records import ModeRun
 from edgeq.bench.report import build_report, format_table, plot_runs, write_json
+from edgeq.bench.rounds import format_rounds, rounds_json
 from edgeq.bench.runners import ModeKind, ModePlan, run_plan
 from edgeq.bench.workload import (
     Workload,
@@ -195,30 +196,49 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return prepared
     workload, count_tokens = prepared
 
-    runs: list[ModeRun] = []
+    if args.rounds < 1:
+        return setup_failed(UsageError("--rounds must be at least 1"))
+    rounds: list[list[ModeRun]] = []
     try:
-        for plan in plans:
-            if plan.worker_env is not None:
-                _say(f"{plan.name}: starting a private Redis and a worker (engine start-up first)")
-            elif plan.kind is ModeKind.DIRECT:
-                _say(f"{plan.name}: building the engine in this process")
-            progress = ProgressBar(plan.name)
-            run = run_plan(plan, workload, args.users, count_tokens=count_tokens, progress=progress)
-            if run.error is not None:
-                _say(f"{plan.name}: {run.error}")
-            runs.append(run)
+        for number in range(1, args.rounds + 1):
+            rounds.append([])
+            for plan in plans:
+                label = plan.name if args.rounds == 1 else f"{plan.name} (round {number})"
+                if plan.worker_env is not None:
+                    _say(f"{label}: starting a private Redis and a worker (engine start-up first)")
+                elif plan.kind is ModeKind.DIRECT:
+                    _say(f"{label}: building the engine in this process")
+                run = run_plan(
+                    plan, workload, args.users, count_tokens=count_tokens,
+                    progress=ProgressBar(label),
+                )  # fmt: skip
+                if run.error is not None:
+                    _say(f"{label}: {run.error}")
+                rounds[-1].append(run)
     except KeyboardInterrupt:  # workers and Redis started here are stopped on the way out
         _say("interrupted")
         return EXIT_INTERRUPTED
 
     config = run_config(spec, args.users, slos_ms, model, workload.template_tokens)
     config["modes"] = [{"name": p.name, "kind": p.kind.value, "url": p.url} for p in plans]
-    metrics = collect_metrics(runs, slos_ms)
-    print(format_table(config, runs, metrics))
+    config["rounds"] = args.rounds
+    round_metrics = [collect_metrics(runs, slos_ms) for runs in rounds]
+    for number, (runs, metrics) in enumerate(zip(rounds, round_metrics, strict=True), 1):
+        if args.rounds > 1:
+            print(f"round {number} of {args.rounds}")
+        print(format_table(config, runs, metrics))
+    if args.rounds > 1:
+        print(format_rounds(round_metrics, [plan.name for plan in plans]))
+    # The plot and the per-request report show the last round; the JSON adds the rounds' spread.
+    runs, metrics = rounds[-1], round_metrics[-1]
     if args.out is not None:
-        write_json(build_report(config, runs, metrics), args.out)
+        report = build_report(config, runs, metrics)
+        if args.rounds > 1:
+            report["rounds"] = rounds_json(round_metrics, [plan.name for plan in plans])
+        write_json(report, args.out)
         _say(f"report written to {args.out}")
     if args.plot is not None:
         plot_runs(config, runs, args.plot)
         _say(f"plot written to {args.plot}")
-    return EXIT_OK if all(run.error is None for run in runs) else EXIT_JOB_FAILED
+    ok = all(run.error is None for runs in rounds for run in runs)
+    return EXIT_OK if ok else EXIT_JOB_FAILED

@@ -70,6 +70,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:3000"
     )
+    bench.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every mode this many times, alternating, and report median [min-max]",
+    )
     bench.add_argument("--out", type=Path, help="write the JSON report here")
     bench.add_argument("--plot", type=Path, help="write latency CDFs and a histogram (PNG)")
     bench.add_argument("--model", help="tokenizer and engine model (default: EDGEQ_MODEL)")

@@ -1,0 +1,108 @@
+"""Where a burst's time goes, stage by stage: N chats submitted at once from one ChatClient.
+
+    .venv/bin/python scripts/measure_burst.py [--sizes 1 10 50] [--rounds 3]
+
+Starts a private Redis and one worker on the tiny model, then for each round sends a burst of
+each size (alternating: 1, 10, 50, 1, 10, 50, ...) and prints, per size, the median over the
+rounds of each burst's p50 (with the rounds' min-max):
+
+- submit: ``ChatClient.submit`` returning (validate, SUBSCRIBE, enqueue);
+- enqueue -> start: the worker's ``queued_ms`` (claim, arq's job start, the request parsed);
+- enqueue -> first token: the worker's ``ttft_ms`` (render, engine prefill, first sample);
+- client TTFT: submit called -> first delta in hand.
+
+The worker's two figures are on the worker's clock from the job's enqueue time, the client's
+on the client's; both run on this machine. Prompts are 50-220 words, answers 256 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from edgeq.core.protocol import DeltaEvent, DoneEvent
+from edgeq.producer.client import ChatClient
+from edgeq.testing.processes import RedisServer, WorkerProcess, tiny_model_env
+from edgeq.testing.tiny_model import make_tiny_model
+
+QUEUE = "edgeq:measure-burst"
+WORDS = "the small worker reads a job from the queue and asks the model for an answer".split()
+STAGES = ("submit", "enqueue -> start", "enqueue -> first token (worker)", "client TTFT")
+
+
+def prompt(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 220)))
+
+
+async def one_chat(client: ChatClient, text: str, seed: int) -> tuple[float, ...]:
+    started = time.perf_counter()
+    job = await client.submit(text, max_tokens=256, seed=seed, temperature=0.5)
+    submitted = time.perf_counter()
+    first: float | None = None
+    done: DoneEvent | None = None
+    async for event in job.stream():
+        if isinstance(event, DeltaEvent) and first is None:
+            first = time.perf_counter()
+        elif isinstance(event, DoneEvent):
+            done = event
+    assert done is not None and first is not None and done.timings.ttft_ms is not None
+    return (
+        (submitted - started) * 1000,
+        done.timings.queued_ms,
+        done.timings.ttft_ms,
+        (first - started) * 1000,
+    )
+
+
+async def measure(url: str, sizes: list[int], rounds: int) -> dict[int, list[tuple[float, ...]]]:
+    rng = random.Random(0)
+    p50s: dict[int, list[tuple[float, ...]]] = {size: [] for size in sizes}
+    async with ChatClient(redis_url=url, queue=QUEUE, max_queue=0) as client:
+        await client.chat("warm up", max_tokens=4)
+        for _ in range(rounds):
+            for size in sizes:
+                texts = [prompt(rng) for _ in range(size)]
+                chats = await asyncio.gather(
+                    *(one_chat(client, text, 100 + n) for n, text in enumerate(texts))
+                )
+                stages = zip(*chats, strict=True)
+                p50s[size].append(tuple(statistics.median(stage) for stage in stages))
+                await asyncio.sleep(1.0)  # back to idle
+    return p50s
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 10, 50])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="edgeq-burst-"))
+    model = make_tiny_model(scratch / "tiny-model").directory
+    redis_server = RedisServer().start()
+    env = tiny_model_env(model, redis_server.url, QUEUE) | {"EDGEQ_MAX_MODEL_LEN": "2048"}
+    worker = WorkerProcess(env, scratch / "worker.log").start()
+    try:
+        worker.wait_ready()
+        p50s = asyncio.run(measure(redis_server.url, args.sizes, args.rounds))
+    finally:
+        worker.stop()
+        redis_server.stop()
+    print(f"p50 of each burst, median [min-max] over {args.rounds} rounds, in ms\n")
+    print("| N | " + " | ".join(STAGES) + " |")
+    print("|---|" + "---|" * len(STAGES))
+    for size, rows in p50s.items():
+        cells = []
+        for stage in zip(*rows, strict=True):
+            cells.append(f"{statistics.median(stage):.1f} [{min(stage):.1f}-{max(stage):.1f}]")
+        print(f"| {size} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    sys.exit(main())
