@@ -153,12 +153,15 @@ class ChatJob:
                     "is a worker running and serving this queue? "
                     "(EDGEQ_STREAM_TIMEOUT_S sets the wait)",
                 )
-            wait_s = min(LEASE_CHECK_INTERVAL_S, max(0.0, deadline - time.monotonic()))
-            try:
-                raw = await asyncio.wait_for(self._inbox.get(), wait_s)
-            except TimeoutError:
-                await self._while_silent()
-                continue
+            if not self._inbox.empty():  # the usual case mid-stream: no timer needed
+                raw = self._inbox.get_nowait()
+            else:
+                wait_s = min(LEASE_CHECK_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+                try:
+                    raw = await asyncio.wait_for(self._inbox.get(), wait_s)
+                except TimeoutError:
+                    await self._while_silent()
+                    continue
             if raw == RECONNECTED:
                 await self._while_silent(replay=True)
                 continue
