@@ -51,7 +51,7 @@ from edgeq.core.protocol import (
 )
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.queue import Enqueued, JobQueue
-from edgeq.producer.subscriptions import RECONNECTED, StreamSubscriptions
+from edgeq.producer.subscriptions import REPLAY, StreamSubscriptions
 
 # While a stream is idle, how often to check that the job's worker still holds its lease.
 LEASE_CHECK_INTERVAL_S = 1.0
@@ -89,9 +89,9 @@ class ChatJob:
         self._text: list[str] = []
         self._terminal: DoneEvent | ErrorEvent | None = None
         self._closed = False
-        # Whether the replay buffer was read since subscribing: SUBSCRIBE is not confirmed,
-        # so a stream that stays silent reads it once in case it all came before.
-        self._replayed = False
+        # A replay the subscription asked for (see StreamSubscriptions) that Redis being away
+        # prevented: done when the stream next falls silent.
+        self._replay_due = False
         self._unavailable: RedisUnavailable | None = None
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
@@ -136,7 +136,7 @@ class ChatJob:
         """Stop listening (the job itself goes on); safe to call more than once."""
         if not self._closed:
             self._closed = True
-            await self._client.subscriptions.unsubscribe(self.job_id)
+            await self._client.subscriptions.unsubscribe(self.job_id, self._inbox)
 
     async def _next_event(self) -> StreamEvent:
         settings = self._client.settings
@@ -162,8 +162,8 @@ class ChatJob:
                 except TimeoutError:
                     await self._while_silent()
                     continue
-            if raw == RECONNECTED:
-                await self._while_silent(replay=True)
+            if raw == REPLAY:
+                await self._replay()
                 continue
             event = self._decode(raw)
             if event.seq <= self._last_seq:
@@ -182,13 +182,23 @@ class ChatJob:
             raise StreamBroken(f"job {self.job_id}: got an event of job {event.job_id}")
         return event
 
-    async def _while_silent(self, *, replay: bool = False) -> None:
-        """Nothing came for a while (or the connection came back): read the replay buffer if
-        events may have been missed, and check the job's worker is alive. Redis being away
-        is survived until the stream's deadline."""
+    async def _replay(self) -> None:
+        """The subscription took effect (or came back): read what was published before it."""
         try:
-            if replay or not self._replayed:
-                await self._backfill()
+            await self._backfill()
+        except RedisUnavailable as error:  # survived until the stream's deadline
+            self._unavailable, self._replay_due = error, True
+        else:
+            self._unavailable, self._replay_due = None, False
+
+    async def _while_silent(self) -> None:
+        """Nothing came for a while: check the job's worker is alive, and do a replay Redis
+        prevented. Redis being away is survived until the stream's deadline."""
+        if self._replay_due:
+            await self._replay()
+        if self._replay_due:
+            return  # still away
+        try:
             await self._check_worker_alive()
         except RedisUnavailable as error:
             self._unavailable = error
@@ -196,7 +206,6 @@ class ChatJob:
             self._unavailable = None
 
     async def _backfill(self) -> None:
-        self._replayed = True
         with redis_errors(self._client.settings.redis_url):
             events = await read_events(self._client.redis, self.job_id, self._last_seq)
         expected = self._last_seq + 1

@@ -5,10 +5,12 @@ job's channel is subscribed on it, and one reader task routes every message to t
 the job whose channel it came on.
 
 ``subscribe`` sends SUBSCRIBE and returns; it does not wait for Redis's confirmation. Nothing
-is lost by that: every event carries a gap-free ``seq`` and stays in the job's replay stream,
-so a job that sees a gap, or nothing at all for a while, reads what it missed from there
-(``ChatJob``). The same holds after a dropped connection: redis-py subscribes again to every
-channel when it reconnects, and the reader then tells every job to read its replay stream.
+is lost by that: every event carries a gap-free ``seq`` and stays in the job's replay stream.
+When Redis's confirmation of a channel arrives, the reader puts ``REPLAY`` on that job's
+queue: from then on every event reaches the connection live, so one read of the replay stream
+at that moment catches whatever was published before (``ChatJob``); a gap seen later is
+filled the same way. After a dropped connection redis-py subscribes again to every channel
+(and each confirmation brings a ``REPLAY``); the reader also puts one on every queue itself.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from redis.asyncio.client import PubSub
 
 from edgeq.core.keys import stream_channel
 
-#: Put on every job's queue after the connection came back: events may have been missed.
-RECONNECTED: Final = b""
+#: Put on a job's queue when its subscription took effect, or came back after an outage:
+#: events published before may have been missed, the replay stream has them. (An event is
+#: never empty.)
+REPLAY: Final = b""
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
@@ -37,7 +41,9 @@ class StreamSubscriptions:
         self._reconnect_delay_s = reconnect_delay_s
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._queues: dict[bytes, asyncio.Queue[bytes]] = {}
+        # Per channel, the queue of each reader: one client may follow one job twice (a stream
+        # and an attach of it), and each reader gets every message.
+        self._queues: dict[bytes, list[asyncio.Queue[bytes]]] = {}
         # One writer at a time: redis-py's PubSub takes a pool connection on its first command
         # and (re)connects on later ones without a lock of its own, so concurrent subscribes
         # would each take a connection (or connect twice) and leak all but one.
@@ -51,11 +57,14 @@ class StreamSubscriptions:
         return len(self._queues)
 
     async def subscribe(self, job_id: str) -> asyncio.Queue[bytes]:
-        """A queue that receives the raw events published on the job's channel (and
-        ``RECONNECTED`` after an outage). Raises redis-py's error if Redis is unreachable."""
+        """A queue that receives the raw events published on the job's channel, and
+        ``REPLAY`` when the subscription takes effect. Raises redis-py's error if Redis is
+        unreachable."""
         channel = stream_channel(job_id).encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()
-        self._queues[channel] = queue
+        # SUBSCRIBE goes out even if the channel is already subscribed: its confirmation is
+        # this reader's REPLAY (the others get one too, which costs them one read).
+        self._queues.setdefault(channel, []).append(queue)
         sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((channel, sent))
         if self._subscriber is None or self._subscriber.done():
@@ -63,7 +72,7 @@ class StreamSubscriptions:
         try:
             await sent
         except BaseException:
-            self._queues.pop(channel, None)
+            self._forget(channel, queue)
             raise
         self._start_reader()
         return queue
@@ -85,10 +94,11 @@ class StreamSubscriptions:
                 if not sent.done():
                     sent.set_result(None)
 
-    async def unsubscribe(self, job_id: str) -> None:
-        """Stop routing the job's channel; UNSUBSCRIBE is sent (not awaited past the write)."""
+    async def unsubscribe(self, job_id: str, queue: asyncio.Queue[bytes]) -> None:
+        """Stop routing the job's channel to this reader; UNSUBSCRIBE is sent (not awaited past
+        the write) when it was the channel's last."""
         channel = stream_channel(job_id).encode()
-        if self._queues.pop(channel, None) is None:
+        if not self._forget(channel, queue) or channel in self._queues:
             return
         async with self._writing:
             pubsub = self._pubsub  # None once the client is closed: nothing to unsubscribe
@@ -112,9 +122,19 @@ class StreamSubscriptions:
             with contextlib.suppress(*REDIS_ERRORS):
                 await pubsub.aclose()
 
+    def _forget(self, channel: bytes, queue: asyncio.Queue[bytes]) -> bool:
+        """Drop one reader of a channel (and the channel with its last); False if unknown."""
+        readers = self._queues.get(channel, [])
+        if queue not in readers:
+            return False
+        readers.remove(queue)
+        if not readers:
+            del self._queues[channel]
+        return True
+
     def _connected(self) -> PubSub:
         if self._pubsub is None:
-            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            self._pubsub = self._redis.pubsub()  # with the confirmations: see the module doc
         return self._pubsub
 
     def _start_reader(self) -> None:
@@ -133,10 +153,12 @@ class StreamSubscriptions:
                 continue
             if missed:
                 missed = False
-                for queue in self._queues.values():
-                    queue.put_nowait(RECONNECTED)
-            if message is None or message["type"] != "message":
+                for readers in self._queues.values():
+                    for queue in readers:
+                        queue.put_nowait(REPLAY)
+            if message is None or message["type"] not in ("message", "subscribe"):
                 continue
-            queue = self._queues.get(message["channel"])
-            if queue is not None:  # else a late message of a stream already closed
-                queue.put_nowait(message["data"])
+            # No reader: a late message of a stream already closed.
+            item = message["data"] if message["type"] == "message" else REPLAY
+            for queue in self._queues.get(message["channel"], ()):
+                queue.put_nowait(item)

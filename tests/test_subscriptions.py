@@ -131,3 +131,24 @@ async def test_closing_a_stream_after_its_client_is_a_no_op(redis_server: RedisS
     jobs = [await client.submit(f"q{n}", max_tokens=4) for n in range(3)]
     await asyncio.gather(client.aclose(), *(job.aclose() for job in jobs))
     await jobs[0].aclose()  # again, after everything: still nothing to do
+
+
+async def test_two_readers_of_one_job_in_one_client_each_get_the_whole_stream(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    """A stream and an attach of the same job share the client's subscription of its channel;
+    closing one leaves the other subscribed."""
+    job = await named_client.submit("twice", max_tokens=4)
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="a"))
+    attached = await named_client.attach(job.job_id)
+    closed_early = await named_client.attach(job.job_id)
+    await closed_early.aclose()
+    await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="b"))
+    await worker_side.append(done(job.job_id))
+    first, second = await asyncio.wait_for(
+        asyncio.gather(collect(job), collect(attached)), timeout=10
+    )
+    assert first == second
+    assert_intact(first, job.job_id)
+    assert "".join(e.text for e in first if isinstance(e, DeltaEvent)) == "ab"
