@@ -485,7 +485,9 @@ else
             smoke=$EDGEQ_INSTALL_SMOKE_CMD
         else
             # Without systemd no worker runs: check that the release imports its engine.
-            smoke='"$EDGEQ_CURRENT/bin/python" -c "import vllm, edgeq.worker.engine, edgeq.worker.notify, edgeq.gateway.app" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
+            # -I: the working directory is not put first on the path (a source checkout
+            # there would shadow the release's edgeq).
+            smoke='"$EDGEQ_CURRENT/bin/python" -I -c "import vllm, edgeq.worker.engine, edgeq.worker.notify, edgeq.gateway.app" && "$EDGEQ_CURRENT/bin/edgeq" --help >/dev/null'
         fi
         say "smoke test (no systemd): $smoke"
         if ! out=$(EDGEQ_CURRENT=$OPT/current sh -c "$smoke" 2>&1); then
