@@ -53,9 +53,6 @@ class StreamSubscriptions:
         self._pending: list[tuple[bytes, asyncio.Future[None]]] = []
         self._subscriber: asyncio.Task[None] | None = None
 
-    def __len__(self) -> int:
-        return len(self._queues)
-
     async def subscribe(self, job_id: str) -> asyncio.Queue[bytes]:
         """A queue that receives the raw events published on the job's channel, and
         ``REPLAY`` when the subscription takes effect. Raises redis-py's error if Redis is
@@ -101,6 +98,8 @@ class StreamSubscriptions:
         if not self._forget(channel, queue) or channel in self._queues:
             return
         async with self._writing:
+            if channel in self._queues:  # a new reader came while we waited: keep the channel
+                return
             pubsub = self._pubsub  # None once the client is closed: nothing to unsubscribe
             if pubsub is not None:
                 with contextlib.suppress(*REDIS_ERRORS):  # a dropped connection has no channel
