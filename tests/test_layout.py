@@ -14,6 +14,7 @@ import ast
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,15 +23,13 @@ import edgeq
 from edgeq.cli import COMMAND_MODULES
 
 REPO = Path(__file__).resolve().parents[1]
-# Where each part of the installed `edgeq` package lives in this tree (pyproject.toml).
+# Where each part of the installed `edgeq` package lives in this tree: pyproject.toml's
+# package-dir, and edgeq's own subpackages inside edgeq/.
+_FOLDERS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 PARTS = {
     "edgeq.core": REPO / "edgeq" / "core",
     "edgeq.testing": REPO / "edgeq" / "testing",
-    "edgeq.producer": REPO / "producer",
-    "edgeq.worker": REPO / "worker",
-    "edgeq.gateway": REPO / "gateway",
-    "edgeq.bench": REPO / "bench",
-    "edgeq.deploy": REPO / "deploy",
+    **{name: REPO / folder for name, folder in _FOLDERS.items() if name.count(".") == 1},
 }
 FORBIDDEN = {
     "edgeq.core": ("edgeq.producer", "edgeq.worker", "edgeq.gateway", "edgeq.bench", "vllm"),

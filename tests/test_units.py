@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from edgeq.deploy.bundle import UNIT_SUFFIXES  # systemd/ also holds an __init__.py
 from helpers import FIGURES
 
 UNITS = Path(__file__).resolve().parents[1] / "systemd"
-UNIT_SUFFIXES = (".service", ".target")  # systemd/ also holds the __init__.py of package data
 WORKER = "edgeq-worker@.service"
 GATEWAY_UNIT = "edgeq-gateway.service"
 EXEC = "/opt/edgeq/current/bin/edgeq"

@@ -33,6 +33,7 @@ from arq.worker import Worker
 from redis.asyncio import Redis
 
 from edgeq.core.keys import in_progress_key, leases_key, wake_channel
+from edgeq.core.leases import lease_expiry_lua
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
@@ -42,23 +43,24 @@ WAIT_RETRY_S = 0.5
 # KEYS: the queue, the queue's leases, then arq's in-progress key of each candidate; ARGV:
 # now (ms), how many to take, the in-progress TTL (ms), the lease TTL (ms), then the
 # candidates' ids. Returns id, score, id, score, ...
-_CLAIM = """
+_CLAIM = (
+    lease_expiry_lua("ARGV[4]")
+    + """
 local now, wanted, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local clock = redis.call('TIME')
-local lease = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[4])
 local claimed = {}
 for i = 3, #KEYS do
   if #claimed >= 2 * wanted then break end
   local job_id = ARGV[i + 2]
   local score = redis.call('ZSCORE', KEYS[1], job_id)
   if score and tonumber(score) <= now and redis.call('SET', KEYS[i], '1', 'NX', 'PX', ttl) then
-    redis.call('ZADD', KEYS[2], lease, job_id)
+    redis.call('ZADD', KEYS[2], expiry, job_id)
     claimed[#claimed + 1] = job_id
     claimed[#claimed + 1] = score
   end
 end
 return claimed
 """
+)
 
 arq_logger = logging.getLogger("arq.worker")
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)

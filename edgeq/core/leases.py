@@ -18,13 +18,26 @@ from edgeq.core.protocol import ErrorEvent
 # it: a renewal held up in a stalled event loop (seen for 14 s on a 2-core box running two
 # engines) must not arrive already expired and get a live job declared lost. One clock for
 # every lease decision also keeps clock skew between boxes out of it.
-_RENEW = """
-local now = redis.call('TIME')
-local expiry = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) + tonumber(ARGV[1])
+
+
+def lease_expiry_lua(ttl_ms: str) -> str:
+    """A Lua line setting ``expiry``: Redis's clock (Unix ms) + ``ttl_ms`` (a Lua expression),
+    for every script that writes a lease (renewal here, the worker's claim)."""
+    return (
+        "local clock = redis.call('TIME')\n"
+        "local expiry = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)"
+        f" + tonumber({ttl_ms})\n"
+    )
+
+
+_RENEW = (
+    lease_expiry_lua("ARGV[1]")
+    + """
 for i = 2, #ARGV do
   redis.call('ZADD', KEYS[1], expiry, ARGV[i])
 end
 """
+)
 
 
 async def redis_now_ms(redis: Redis) -> int:
