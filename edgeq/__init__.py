@@ -40,10 +40,15 @@ _EXPORTS = {
     "StreamEvent": "edgeq.core.protocol",
     "Timings": "edgeq.core.protocol",
     "Usage": "edgeq.core.protocol",
+    "Tool": "edgeq.core.structured",
+    "ToolCall": "edgeq.core.structured",
+    "Constraint": "edgeq.core.structured",
+    "json_schema_format": "edgeq.core.structured",
     "EdgeqError": "edgeq.core.errors",
     "ConfigError": "edgeq.core.errors",
     "InvalidRequest": "edgeq.core.errors",
     "JobFailed": "edgeq.core.errors",
+    "InvalidAnswer": "edgeq.core.errors",
     "JobTimeout": "edgeq.core.errors",
     "QueueFull": "edgeq.core.errors",
     "RedisUnavailable": "edgeq.core.errors",
@@ -60,11 +65,13 @@ __all__ = [
     "ChatResult",
     "ConfigError",
     "ConnectionSettings",
+    "Constraint",
     "DeltaEvent",
     "DoneEvent",
     "EdgeqError",
     "ErrorCode",
     "ErrorEvent",
+    "InvalidAnswer",
     "InvalidRequest",
     "JobFailed",
     "JobTimeout",
@@ -76,8 +83,11 @@ __all__ = [
     "SyncChatClient",
     "SyncChatJob",
     "Timings",
+    "Tool",
+    "ToolCall",
     "Usage",
     "__version__",
+    "json_schema_format",
 ]
 
 
@@ -98,6 +108,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from edgeq.core.errors import (
         ConfigError,
         EdgeqError,
+        InvalidAnswer,
         InvalidRequest,
         JobFailed,
         JobTimeout,
@@ -119,5 +130,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         Usage,
     )
     from edgeq.core.settings import ConnectionSettings
+    from edgeq.core.structured import Constraint, Tool, ToolCall, json_schema_format
     from edgeq.producer.client import ChatClient, ChatJob
     from edgeq.producer.sync_client import SyncChatClient, SyncChatJob

@@ -52,7 +52,9 @@ from edgeq.gateway.openai_api import (
     chunk_json,
     completion_json,
     error_json,
+    logprobs_json,
     now_s,
+    tool_calls_json,
     usage_json,
 )
 from edgeq.gateway.settings import GatewaySettings
@@ -364,7 +366,11 @@ async def _sse_chunks(
                 unfinished_because = None
                 if event.reasoning is not None:
                     yield chunk(delta={"reasoning_content": event.reasoning})
-                yield chunk(finish_reason=event.finish_reason)
+                if event.tool_calls:  # final-only: every call whole, in one chunk
+                    yield chunk(
+                        delta={"tool_calls": tool_calls_json(event.tool_calls, streamed=True)}
+                    )
+                yield chunk(finish_reason=event.finish_reason, logprobs=logprobs_json(event))
                 if body.include_usage:
                     yield chunk(usage=usage_json(event))
                 bound.info("gateway_done", total_ms=_ms_since(started))

@@ -1,10 +1,12 @@
 """OpenAI's chat-completions wire format, and its translation to and from edgeq's.
 
-Requests are read like vLLM's server reads them: the sampling fields edgeq has, plus
-``chat_template_kwargs`` and the seed's ``extra_body`` fields (``enable_thinking``,
-``return_reasoning``, which OpenAI SDKs merge into the top level of the body). Fields an SDK
-sends that do not change the answer are ignored; fields that would change it and edgeq cannot
-honour are refused with a 400 that names them, instead of being silently dropped.
+Requests are read like vLLM's server reads them: the sampling fields edgeq has, structured
+output (``response_format``, vLLM's ``structured_outputs``), ``tools`` / ``tool_choice``,
+``logprobs``, plus ``chat_template_kwargs`` and the seed's ``extra_body`` fields
+(``enable_thinking``, ``return_reasoning``, which OpenAI SDKs merge into the top level of the
+body). Fields an SDK sends that do not change the answer are ignored; fields that would change
+it and edgeq cannot honour are refused with a 400 that names them, instead of being silently
+dropped (vLLM's server ignores its legacy ``guided_json``; we say so).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeq.core.protocol import ChatResult, DoneEvent
+from edgeq.core.structured import ToolCall
 
+#: vLLM's structured_outputs keys edgeq maps: regex, choice and grammar to ``constraint``,
+#: json and json_object to ``response_format``.
+STRUCTURED_OUTPUTS = ("regex", "choice", "grammar", "json", "json_object")
 # A role OpenAI has that means the same as one of edgeq's.
 ROLE_ALIASES = {"developer": "system"}
 
@@ -36,6 +42,8 @@ class Message(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -62,22 +70,35 @@ class ChatCompletionRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
     return_reasoning: bool = False
+    # Checked by edgeq's ChatRequest (edgeq.core.structured), whose errors name the field.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra_body spelling
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def unsupported(self) -> str | None:
         """The first field asking for what edgeq cannot do, described; None if all is fine."""
         extra = self.model_extra or {}
         if self.n not in (None, 1):
             return "n: edgeq returns one choice per request; send n=1 or leave it out"
-        for name in ("tools", "functions"):
-            if extra.get(name):
-                return f"{name}: tool calling is not supported by edgeq"
-        if extra.get("tool_choice") not in (None, "none"):
-            return "tool_choice: tool calling is not supported by edgeq"
-        response_format = extra.get("response_format")
-        if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-            return "response_format: only text answers are supported by edgeq"
-        if extra.get("logprobs"):
-            return "logprobs: not supported by edgeq"
+        for name in ("functions", "function_call"):
+            if extra.get(name) is not None:
+                return f"{name}: OpenAI's legacy functions API is not supported; send tools"
+        for name in sorted(extra):
+            if name.startswith("guided_"):
+                return (
+                    f"{name}: vLLM's legacy guided decoding fields are not supported; send "
+                    f"response_format or structured_outputs"
+                )
+        unknown = set(self.structured_outputs or {}) - set(STRUCTURED_OUTPUTS)
+        if unknown:
+            return (
+                f"structured_outputs.{sorted(unknown)[0]}: not supported by edgeq "
+                f"(one of {', '.join(STRUCTURED_OUTPUTS)})"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if extra.get(name) not in (None, 0, 0.0):
                 return f"{name}: not supported by edgeq; leave it out or send 0"
@@ -93,6 +114,7 @@ class ChatCompletionRequest(BaseModel):
         messages = [_edgeq_message(index, message) for index, message in enumerate(self.messages)]
         fields: dict[str, Any] = {"messages": messages, "return_reasoning": self.return_reasoning}
         max_tokens = self.max_completion_tokens or self.max_tokens
+        response_format, constraint = self._structured()
         for name, value in (
             ("temperature", self.temperature),
             ("top_p", self.top_p),
@@ -100,10 +122,28 @@ class ChatCompletionRequest(BaseModel):
             ("stop", self.stop),
             ("seed", self.seed),
             ("enable_thinking", self._thinking()),
+            ("response_format", response_format),
+            ("constraint", constraint),
+            ("tools", self.tools),
+            ("tool_choice", self.tool_choice),
+            ("parallel_tool_calls", self.parallel_tool_calls),
+            ("logprobs", self.logprobs),
+            ("top_logprobs", self.top_logprobs),
         ):
             if value is not None:
                 fields[name] = value
         return fields
+
+    def _structured(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+        """(response_format, constraint): vLLM's structured_outputs in edgeq's fields."""
+        given = dict(self.structured_outputs or {})
+        response_format = self.response_format
+        if "json" in given:
+            schema = given.pop("json")
+            response_format = {"type": "json_schema", "json_schema": {"schema": schema}}
+        elif given.pop("json_object", None):
+            response_format = {"type": "json_object"}
+        return response_format, given or None
 
     def _thinking(self) -> bool | None:
         if self.enable_thinking is not None:
@@ -117,12 +157,12 @@ class ChatCompletionRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-def _edgeq_message(index: int, message: Message) -> dict[str, str]:
+def _edgeq_message(index: int, message: Message) -> dict[str, Any]:
     role = ROLE_ALIASES.get(message.role, message.role)
-    if role not in ("system", "user", "assistant"):
+    if role not in ("system", "user", "assistant", "tool"):
         raise UnsupportedField(
             f"messages.{index}.role: {message.role!r} is not supported by edgeq "
-            f"(system, developer, user or assistant)"
+            f"(system, developer, user, assistant or tool)"
         )
     content = message.content
     if content is None:
@@ -137,7 +177,12 @@ def _edgeq_message(index: int, message: Message) -> dict[str, str]:
                     f"by edgeq (got type {part.type!r})"
                 )
         text = "".join(part.text or "" for part in content)
-    return {"role": role, "content": text}
+    fields: dict[str, Any] = {"role": role, "content": text}
+    if message.tool_calls:
+        fields["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        fields["tool_call_id"] = message.tool_call_id
+    return fields
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -156,11 +201,28 @@ def usage_json(done: DoneEvent | ChatResult) -> dict[str, int]:
     }
 
 
+def tool_calls_json(calls: list[ToolCall], *, streamed: bool = False) -> list[dict[str, Any]]:
+    """OpenAI's ``tool_calls``; a streamed one numbers each call (all arrive in one chunk)."""
+    items = [call.model_dump(mode="json") for call in calls]
+    if streamed:
+        items = [{"index": index, **item} for index, item in enumerate(items)]
+    return items
+
+
+def logprobs_json(done: DoneEvent | ChatResult) -> dict[str, Any] | None:
+    if done.logprobs is None:
+        return None
+    return {"content": [item.model_dump(mode="json") for item in done.logprobs], "refusal": None}
+
+
 def completion_json(result: ChatResult, *, model: str, created: int) -> dict[str, Any]:
     """The non-streaming answer."""
     message: dict[str, Any] = {"role": "assistant", "content": result.text}
     if result.reasoning is not None:
         message["reasoning_content"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = tool_calls_json(result.tool_calls)
+        message["content"] = result.text or None  # OpenAI: null when the answer is only calls
     return {
         "id": completion_id(result.job_id),
         "object": "chat.completion",
@@ -170,7 +232,7 @@ def completion_json(result: ChatResult, *, model: str, created: int) -> dict[str
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": logprobs_json(result),
                 "finish_reason": result.finish_reason,
             }
         ],
@@ -186,6 +248,7 @@ def chunk_json(
     delta: dict[str, Any] | None = None,
     finish_reason: str | None = None,
     usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk; with ``usage`` it is the usage-only chunk (no choices)."""
     chunk: dict[str, Any] = {
@@ -199,7 +262,7 @@ def chunk_json(
         chunk["usage"] = usage
     else:
         chunk["choices"] = [
-            {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}
+            {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}
         ]
     return chunk
 

@@ -20,7 +20,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 from pydantic import ValidationError
 
@@ -50,6 +50,7 @@ from edgeq.core.protocol import (
     limit_problem,
 )
 from edgeq.core.settings import ConnectionSettings, load_settings
+from edgeq.core.structured import ModelT, json_schema_format, parse_answer
 from edgeq.producer.queue import Enqueued, JobQueue
 from edgeq.producer.subscriptions import REPLAY, StreamSubscriptions
 
@@ -119,14 +120,7 @@ class ChatJob:
             raise EdgeqError(f"job {self.job_id}: the stream was closed before it ended")
         if isinstance(terminal, ErrorEvent):
             raise JobFailed(self.job_id, terminal.code, terminal.message)
-        return ChatResult(
-            job_id=self.job_id,
-            text="".join(self._text),
-            finish_reason=terminal.finish_reason,
-            usage=terminal.usage,
-            timings=terminal.timings,
-            reasoning=terminal.reasoning,
-        )
+        return ChatResult.from_done(terminal, "".join(self._text))
 
     async def cancel(self, reason: str = "cancelled by the client") -> bool:
         """Stop the job (see ChatClient.cancel); its stream then ends with ``cancelled``."""
@@ -302,10 +296,25 @@ class ChatClient:
             )
         return job
 
-    async def chat(self, messages: MessagesLike, **fields: Any) -> ChatResult:
-        """Submit and wait for the whole answer."""
+    @overload
+    async def chat(
+        self, messages: MessagesLike, *, schema: None = None, **fields: Any
+    ) -> ChatResult: ...
+    @overload
+    async def chat(
+        self, messages: MessagesLike, *, schema: type[ModelT], **fields: Any
+    ) -> ModelT: ...
+    async def chat(
+        self, messages: MessagesLike, *, schema: type[ModelT] | None = None, **fields: Any
+    ) -> ChatResult | ModelT:
+        """Submit and wait for the whole answer. With ``schema`` (a pydantic model) the answer
+        is held to the model's JSON Schema and returned as an instance of it (InvalidAnswer
+        if it was cut short)."""
+        if schema is not None:
+            fields["response_format"] = json_schema_format(schema)
         job = await self.submit(messages, **fields)
-        return await job.result()
+        result = await job.result()
+        return result if schema is None else parse_answer(result, schema)
 
     async def attach(self, job_id: str, *, after_seq: int = -1) -> ChatJob:
         """Follow an existing job from ``after_seq`` on: what was published is replayed from the

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import re
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 from edgeq.core.connection import redis_errors
 from edgeq.core.errors import (
@@ -41,6 +45,21 @@ def _print_error(command: str, message: object) -> None:
 # --- edgeq chat ------------------------------------------------------------------------------
 
 
+def _json_file(option: str, path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as error:
+        raise InvalidRequest(f"{option}: cannot read {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise InvalidRequest(f"{option}: {path} is not JSON: {error}") from None
+
+
+def _tool_choice(value: str) -> object:
+    if value in ("none", "auto", "required"):
+        return value
+    return {"type": "function", "function": {"name": value}}
+
+
 def _chat_fields(args: argparse.Namespace) -> dict[str, object]:
     messages = []
     if args.system:
@@ -51,6 +70,19 @@ def _chat_fields(args: argparse.Namespace) -> dict[str, object]:
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
+    if args.json_schema is not None:
+        schema = _json_file("--json-schema", args.json_schema)
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", args.json_schema.stem)[:64] or "answer"
+        spec = {"name": name, "schema": schema}
+        fields["response_format"] = {"type": "json_schema", "json_schema": spec}
+    if args.regex is not None:
+        fields["constraint"] = {"regex": args.regex}
+    if args.choice:
+        fields["constraint"] = {"choice": args.choice}
+    if args.tools is not None:
+        fields["tools"] = _json_file("--tools", args.tools)
+    if args.tool_choice is not None:
+        fields["tool_choice"] = _tool_choice(args.tool_choice)
     return fields
 
 
@@ -75,6 +107,8 @@ async def _print_stream(job: ChatJob) -> int:
             sys.stdout.flush()
         elif isinstance(event, DoneEvent):
             sys.stdout.write("\n")
+            for call in event.tool_calls or ():  # one JSON object a line, after the text
+                print(call.model_dump_json())
             if event.reasoning:
                 print(f"[reasoning]\n{event.reasoning}", file=sys.stderr)
         elif isinstance(event, ErrorEvent):
@@ -173,6 +207,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--reasoning", action="store_true", help="print the reasoning (with --think) to stderr"
     )
     chat.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    shape = chat.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="answer with JSON valid under the JSON Schema in FILE",
+    )
+    shape.add_argument("--regex", help="answer with text that matches this regular expression")
+    shape.add_argument(
+        "--choice", action="append", help="answer with exactly one of these (repeatable)"
+    )
+    chat.add_argument(
+        "--tools",
+        type=Path,
+        metavar="FILE",
+        help="a JSON list of OpenAI function tools the model may call; calls print as JSON lines",
+    )
+    chat.add_argument(
+        "--tool-choice",
+        metavar="auto|required|none|NAME",
+        help="whether the model must call a tool, or which one (default: auto)",
+    )
     _connection_options(chat)
     chat.add_argument("--timeout", type=float, help="overrides EDGEQ_STREAM_TIMEOUT_S")
     chat.set_defaults(handler=run_chat_command)

@@ -34,7 +34,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import CancelledError
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -42,6 +42,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from edgeq.core.errors import EdgeqError
 from edgeq.core.protocol import ChatResult, StreamEvent
 from edgeq.core.settings import ConnectionSettings
+from edgeq.core.structured import ModelT
 from edgeq.producer.client import ChatClient, ChatJob, MessagesLike
 
 T = TypeVar("T")
@@ -168,9 +169,15 @@ class SyncChatClient:
         )
         return SyncChatJob(self, job)
 
-    def chat(self, messages: MessagesLike, **fields: Any) -> ChatResult:
-        """Submit and wait for the whole answer."""
-        return self._call(functools.partial(self._client.chat, messages, **fields))
+    @overload
+    def chat(self, messages: MessagesLike, *, schema: None = None, **fields: Any) -> ChatResult: ...
+    @overload
+    def chat(self, messages: MessagesLike, *, schema: type[ModelT], **fields: Any) -> ModelT: ...
+    def chat(
+        self, messages: MessagesLike, *, schema: type[ModelT] | None = None, **fields: Any
+    ) -> ChatResult | ModelT:
+        """Submit and wait for the whole answer; ``schema`` as in ChatClient.chat."""
+        return self._call(functools.partial(self._client.chat, messages, schema=schema, **fields))
 
     def attach(self, job_id: str, *, after_seq: int = -1) -> SyncChatJob:
         """Follow an existing job from ``after_seq`` on, replaying what was missed (see

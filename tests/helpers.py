@@ -26,8 +26,9 @@ from edgeq.testing.processes import (
     wait_for_port,
 )
 
-# The tiny model's context in tests, kept short so "prompt too long" is cheap to provoke.
-TEST_MAX_MODEL_LEN = 512
+# The tiny model's context in tests: short, so "prompt too long" is cheap to provoke, and long
+# enough for Qwen3's tools section (~400 tokens of the tiny vocabulary) with an answer.
+TEST_MAX_MODEL_LEN = 1024
 # A small step budget, so that ordinary prompts in the tests are prefilled in several chunks.
 TEST_MAX_NUM_BATCHED_TOKENS = 128
 EDGEQ = [sys.executable, "-m", "edgeq"]

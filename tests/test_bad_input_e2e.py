@@ -29,6 +29,30 @@ BAD_REQUESTS = [
     ({"messages": GOOD, "max_tokens": 0}, "max_tokens"),
     ({"messages": GOOD, "stop": [""]}, "stop.0"),
     ({"messages": GOOD, "colour": "blue"}, "colour"),
+    (
+        {
+            "messages": GOOD,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "objekt"}},
+            },
+        },
+        "response_format",
+    ),
+    ({"messages": GOOD, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": GOOD, "tool_choice": "required"}, "tool_choice"),
+    (
+        {
+            "messages": GOOD,
+            "tools": [{"type": "function", "function": {"name": "get_time"}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+        "tool_choice",
+    ),
+    ({"messages": GOOD, "constraint": {"regex": "a", "choice": ["b"]}}, "constraint"),
+    ({"messages": GOOD, "constraint": {"regex": "a"}, "enable_thinking": True}, "enable_thinking"),
+    ({"messages": GOOD, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "tool_calls"),
 ]
 # ChatClient.submit takes a plain string as the prompt, so this one only exists on the wire.
 BAD_ON_THE_WIRE_ONLY = [({"messages": "hi"}, "messages")]

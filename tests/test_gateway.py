@@ -5,6 +5,7 @@ ChatOpenAI (the seed's own code), against a real gateway process in front of the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -12,9 +13,11 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
@@ -199,8 +202,29 @@ async def test_extra_body_turns_thinking_off_like_chat_template_kwargs(
         ({"temperature": 5}, "temperature"),
         ({"n": 2}, "n"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "role"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+        ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
+        ({"extra_body": {"structured_outputs": {"structural_tag": "x"}}}, "structural_tag"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "get_time"}}],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "get_weather",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
     ],
 )
 async def test_a_bad_request_is_a_400_that_names_the_field(
@@ -224,7 +248,7 @@ async def test_a_job_the_worker_refuses_is_a_400_even_when_streaming(
     with pytest.raises(openai.BadRequestError) as refused:
         await sdk.chat.completions.create(
             model=worker.env["EDGEQ_MODEL"],
-            messages=[{"role": "user", "content": "x" * 5000}],  # past the 512-token context
+            messages=[{"role": "user", "content": "x" * 5000}],  # past the 1024-token context
             stream=stream,
         )
     assert refused.value.code == "prompt_too_long"
@@ -464,3 +488,127 @@ async def test_return_reasoning_comes_back_as_reasoning_content(
         assert (message.model_extra or {}).get("reasoning_content") == direct.reasoning
     assert direct.reasoning is not None
     assert text == direct.text
+
+
+# --- structured output and tools through the gateway -------------------------------------------
+
+
+class Reporter(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    id: int
+
+
+class Ticket(pydantic.BaseModel):
+    title: str = pydantic.Field(max_length=16)
+    kind: Literal["bug", "feature", "question"]
+    reporter: Reporter
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+async def test_the_openai_sdk_parse_returns_a_pydantic_instance(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess
+) -> None:
+    for seed in range(3):
+        completion = await sdk.chat.completions.parse(
+            model=worker.env["EDGEQ_MODEL"],
+            messages=[{"role": "user", "content": "Open a ticket"}],
+            response_format=Ticket,
+            max_tokens=400,
+            seed=seed,
+        )
+        assert isinstance(completion.choices[0].message.parsed, Ticket)
+
+
+async def test_sdk_tool_calls_come_back_as_openai_sends_them_and_the_result_goes_back(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess
+) -> None:
+    model = worker.env["EDGEQ_MODEL"]
+    question = {"role": "user", "content": "Weather in Oslo?"}
+    completion = await sdk.chat.completions.create(
+        model=model,
+        messages=[question],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call at most
+        seed=1,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    answer = await sdk.chat.completions.create(
+        model=model,
+        messages=[
+            question,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "4 C, rain"},
+        ],
+        tools=[WEATHER_TOOL],
+        max_tokens=4,
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    # The history (tools section, the call, the tool's answer) made the prompt longer.
+    assert answer.usage.prompt_tokens > completion.usage.prompt_tokens
+
+
+async def test_streamed_tool_calls_arrive_whole_before_the_finish_chunk(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess
+) -> None:
+    stream = await sdk.chat.completions.create(
+        model=worker.env["EDGEQ_MODEL"],
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+    )
+    chunks = [chunk async for chunk in stream]
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    [with_calls] = [delta for delta in deltas if delta.tool_calls]
+    [call] = with_calls.tool_calls
+    assert (call.index, call.function.name) == (0, "get_weather")
+    assert "city" in json.loads(call.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_logprobs_come_back_per_token(sdk: openai.AsyncOpenAI, worker: WorkerProcess) -> None:
+    completion = await sdk.chat.completions.create(
+        model=worker.env["EDGEQ_MODEL"],
+        messages=[{"role": "user", "content": "Approve?"}],
+        extra_body={"structured_outputs": {"choice": ["approve", "reject"]}},
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = completion.choices[0]
+    assert choice.message.content in ("approve", "reject")
+    content = choice.logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 3 for item in content)
+
+
+def test_langchain_structured_output_and_bound_tools_work_unchanged(
+    gateway: str, worker: WorkerProcess
+) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    chat_model = langchain_openai.ChatOpenAI(
+        model=worker.env["EDGEQ_MODEL"], api_key="EMPTY", base_url=gateway, max_tokens=400, seed=2
+    )
+    ticket = chat_model.with_structured_output(Ticket).invoke("Open a ticket")
+    assert isinstance(ticket, Ticket)
+    message = chat_model.bind_tools([WEATHER_TOOL], tool_choice="any").invoke("Weather in Rome?")
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather" and set(call["args"]) == {"city"}

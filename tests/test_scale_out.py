@@ -126,7 +126,7 @@ async def test_the_metrics_count_what_the_workers_did(
     results: list[ChatResult] = []
     for n, seed in enumerate(FULL_LENGTH_SEEDS):
         results.append(await client.chat(f"count me {n}", max_tokens=20 + n, seed=seed))
-    with pytest.raises(JobFailed) as refused:  # longer than the 512-token context
+    with pytest.raises(JobFailed) as refused:  # longer than the 1024-token context
         await client.chat("x" * 5000, max_tokens=8)
     assert refused.value.code == "prompt_too_long"
     after = [scrape(process) for process in workers]

@@ -15,6 +15,7 @@ from typing import Any
 
 from edgeq.core.errors import ConfigError
 from edgeq.core.protocol import ChatMessage, ChatRequest
+from edgeq.core.structured import Tool
 from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.vllm_plugin import ENABLE_ENV
@@ -36,9 +37,12 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ[ENABLE_ENV] = "1"
 
 from vllm import AsyncEngineArgs, RequestOutput, SamplingParams  # noqa: E402
+from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+
+from edgeq.worker.structured import ToolCallReader, structured_outputs  # noqa: E402
 
 
 class PromptTooLong(Exception):
@@ -71,6 +75,11 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         enable_log_requests=settings.log_content,
         # Per-request stats give the exact generated-token count (worker/jobs.py).
         disable_log_stats=False,
+        # vLLM's "auto" backend may fall back to guidance per schema; compact JSON needs the
+        # backend named, and xgrammar is the one the CPU build ships with every feature.
+        structured_outputs_config=StructuredOutputsConfig()
+        if settings.json_any_whitespace
+        else StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
     )
 
 
@@ -121,21 +130,40 @@ class ChatEngine:
         self.llm.shutdown()
         self._render_thread.shutdown(wait=False, cancel_futures=True)
 
+    def tool_call_reader(self, request: ChatRequest) -> ToolCallReader:
+        return ToolCallReader(request, self._tokenizer)
+
     def thinking_enabled(self, request: ChatRequest) -> bool:
+        # A grammar holds the answer from its first token, so there is no room to think.
+        if request.constrained:
+            return False
         if request.enable_thinking is None:
             return self.settings.enable_thinking
         return request.enable_thinking
 
-    async def render(self, messages: Sequence[ChatMessage], *, enable_thinking: bool) -> list[int]:
-        """Token ids of the chat, rendered with the model's own chat template."""
+    async def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        enable_thinking: bool,
+        tools: Sequence[Tool] | None = None,
+    ) -> list[int]:
+        """Token ids of the chat, rendered with the model's own chat template (which also
+        lists the tools the model may call)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._render_thread, self._render_sync, messages, enable_thinking
+            self._render_thread, self._render_sync, messages, enable_thinking, tools
         )
 
-    def _render_sync(self, messages: Sequence[ChatMessage], enable_thinking: bool) -> list[int]:
+    def _render_sync(
+        self,
+        messages: Sequence[ChatMessage],
+        enable_thinking: bool,
+        tools: Sequence[Tool] | None,
+    ) -> list[int]:
         text = self._tokenizer.apply_chat_template(
-            [message.model_dump() for message in messages],
+            [message.model_dump(exclude_none=True) for message in messages],
+            tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
@@ -166,6 +194,8 @@ class ChatEngine:
             stop=request.stop,
             seed=request.seed,
             logit_bias=banned,
+            structured_outputs=structured_outputs(request),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             output_kind=RequestOutputKind.DELTA,
         )
 

@@ -11,10 +11,12 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
+from vllm import RequestOutput
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -29,12 +31,14 @@ from edgeq.core.protocol import (
     describe_validation_error,
     limit_problem,
 )
+from edgeq.core.structured import TokenLogprob
 from edgeq.worker.engine import ChatEngine, PromptTooLong
 from edgeq.worker.metrics import WorkerMetrics
 from edgeq.worker.publisher import StreamPublisher
 from edgeq.worker.reasoning import ReasoningSplitter
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.state import worker_state
+from edgeq.worker.structured import constraint_field, grammar_problem, token_logprobs
 from edgeq.worker.wire import JobPayload
 
 log = structlog.get_logger("edgeq.job")
@@ -187,7 +191,8 @@ async def run_chat(
     started_s = time.time()
     request = parse_request(payload, settings)
     thinking = engine.thinking_enabled(request)
-    prompt = await engine.render(request.messages, enable_thinking=thinking)
+    tools = request.tools if request.tools_offered else None
+    prompt = await engine.render(request.messages, enable_thinking=thinking, tools=tools)
     try:
         params = engine.sampling_params(request, len(prompt))
     except PromptTooLong as error:
@@ -205,13 +210,16 @@ async def run_chat(
     )
 
     splitter = ReasoningSplitter(thinking=thinking)
+    calls_reader = engine.tool_call_reader(request)
     answer: list[str] = []
+    logprobs: list[TokenLogprob] | None = [] if request.logprobs else None
     completion_tokens = 0
     first_token_s: float | None = None
     last_tokens_s: float | None = None
     finish_reason = "abort"
     # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
-    async with contextlib.aclosing(engine.generate(prompt, params, publisher.job_id)) as outputs:
+    outputs = engine.generate(prompt, params, publisher.job_id)
+    async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
         async for output in outputs:
             completion = output.outputs[0]
             if completion.token_ids:
@@ -224,7 +232,11 @@ async def run_chat(
                 )
                 last_tokens_s = now_s
             completion_tokens = generated_tokens(output, completion_tokens)
-            text = splitter.feed(completion.text)
+            if logprobs is not None:
+                logprobs += token_logprobs(
+                    completion.token_ids, completion.logprobs, request.top_logprobs or 0
+                )
+            text = calls_reader.feed(splitter.feed(completion.text))
             answer.append(text)
             await publisher.publish_text(text)
             if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
@@ -236,6 +248,12 @@ async def run_chat(
             if output.finished:
                 finish_reason = completion.finish_reason or finish_reason
 
+    held_back, tool_calls = calls_reader.finish()
+    if held_back:
+        answer.append(held_back)
+        await publisher.publish_text(held_back)
+    if tool_calls:
+        finish_reason = "tool_calls"
     finished_s = time.time()
     timings = Timings(
         queued_ms=_ms_since(enqueued_s, started_s),
@@ -244,23 +262,42 @@ async def run_chat(
     )
     usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens)
     reasoning = splitter.reasoning if request.return_reasoning and thinking else None
-    await publisher.publish_done(
-        finish_reason=finish_reason, usage=usage, timings=timings, reasoning=reasoning
+    done = await publisher.publish_done(
+        finish_reason=finish_reason,
+        usage=usage,
+        timings=timings,
+        reasoning=reasoning,
+        tool_calls=tool_calls,
+        logprobs=logprobs,
     )
     text = "".join(answer)
     log.info(
         "job_done",
         finish_reason=finish_reason,
         completion_tokens=completion_tokens,
+        tool_calls=len(tool_calls) if tool_calls else None,
         ttft_ms=timings.ttft_ms,
         total_ms=timings.total_ms,
         **({"text": text} if settings.log_content else {}),
     )
-    return ChatResult(
-        job_id=publisher.job_id,
-        text=text,
-        finish_reason=finish_reason,
-        usage=usage,
-        timings=timings,
-        reasoning=reasoning,
-    )
+    return ChatResult.from_done(done, text)
+
+
+async def _refusing_invalid(
+    outputs: AsyncGenerator[RequestOutput, None], request: ChatRequest
+) -> AsyncGenerator[RequestOutput, None]:
+    """The engine's outputs; a grammar vLLM cannot compile (it checks when the request is
+    added, before the first output) becomes an invalid_request naming the field."""
+    async with contextlib.aclosing(outputs):
+        try:
+            first = await anext(outputs)
+        except StopAsyncIteration:
+            return
+        except VLLMValidationError as error:
+            raise JobRefused(
+                ErrorCode.INVALID_REQUEST,
+                f"invalid request: {constraint_field(request)}: {grammar_problem(error)}",
+            ) from None
+        yield first
+        async for output in outputs:
+            yield output

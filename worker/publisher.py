@@ -11,6 +11,7 @@ from collections.abc import Callable
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog, Published
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.core.structured import TokenLogprob, ToolCall
 
 __all__ = ["StreamClosed", "StreamPublisher"]
 
@@ -51,7 +52,14 @@ class StreamPublisher:
             self._heard(await self._append([self._take_delta()]))
 
     async def publish_done(
-        self, *, finish_reason: str, usage: Usage, timings: Timings, reasoning: str | None
+        self,
+        *,
+        finish_reason: str,
+        usage: Usage,
+        timings: Timings,
+        reasoning: str | None = None,
+        tool_calls: list[ToolCall] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> DoneEvent:
         """Flush what is pending, then end the stream with ``done``."""
         done = DoneEvent(
@@ -61,6 +69,8 @@ class StreamPublisher:
             usage=usage,
             timings=timings,
             reasoning=reasoning,
+            tool_calls=tool_calls,
+            logprobs=logprobs,
         )
         return await self._publish_terminal(done)
 

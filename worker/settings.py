@@ -100,6 +100,10 @@ class WorkerSettings(ConnectionSettings):
     # Knob 7: thinking.
     enable_thinking: bool = False
 
+    # Structured answers: JSON without whitespace between its tokens (fewer tokens, and no
+    # answer padded with whitespace until max_tokens); true allows any, as vLLM's default.
+    json_any_whitespace: bool = False
+
     # How the worker runs.
     job_timeout_s: float = Field(300.0, gt=0)
     abandon_after_s: float = Field(30.0, ge=0)

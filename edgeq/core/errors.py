@@ -6,6 +6,7 @@
     ├── RedisUnavailable   Redis unreachable, or it refused the credentials
     ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running: retry later
     ├── JobFailed          the job ended with an ``error`` event (``code``, ``message``)
+    ├── InvalidAnswer      a ``schema=`` answer was cut short or does not validate
     ├── JobTimeout         no event within the stream timeout
     ├── StreamBroken       a gap in ``seq``: events were lost on the way
     └── StreamClosed       the job's stream already holds its terminal event
@@ -14,6 +15,8 @@ Every message says what happened and where.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class EdgeqError(Exception):
@@ -44,6 +47,15 @@ class JobFailed(EdgeqError):
         self.job_id = job_id
         self.code = code
         self.message = message
+
+
+class InvalidAnswer(EdgeqError):
+    """``chat(..., schema=Model)`` got an answer that is not a ``Model``: cut off by
+    max_tokens, or failing a rule the grammar could not enforce. ``result`` is the answer."""
+
+    def __init__(self, message: str, result: Any) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 class JobTimeout(EdgeqError):

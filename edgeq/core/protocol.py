@@ -12,7 +12,28 @@ import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from edgeq.core.structured import (
+    MAX_TOP_LOGPROBS,
+    Constraint,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 #: The arq function name every chat job is enqueued under.
 JOB_FUNCTION = "chat"
@@ -35,10 +56,23 @@ class ErrorCode(StrEnum):
 
 
 class ChatMessage(BaseModel):
+    """One turn. An assistant turn may carry the tool calls it made (its content may then be
+    empty); a ``tool`` turn carries one call's result."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant message has them, not {self.role}")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id: only a tool message has one, not {self.role}")
+        return self
 
 
 class ChatRequest(BaseModel):
@@ -54,11 +88,83 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(None, ge=0)
     enable_thinking: bool | None = None
     return_reasoning: bool = False
+    # Structured answers and tools: see edgeq.core.structured.
+    response_format: ResponseFormat | None = None
+    constraint: Constraint | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
     def _single_stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique (got {', '.join(names)})")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice: {self._choice_name()} needs tools to choose from")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice: names {choice.function.name!r}, which is not in tools "
+                f"({', '.join(names)})"
+            )
+        constraints = [
+            name
+            for name, given in (
+                ("response_format", self.json_format is not None),
+                ("constraint", self.constraint is not None),
+                (f"tool_choice={self._choice_name()}", self.forces_tool_call),
+            )
+            if given
+        ]
+        if len(constraints) > 1:
+            raise ValueError(f"{' and '.join(constraints)}: only one can shape an answer")
+        if constraints and self.enable_thinking:
+            raise ValueError(
+                f"enable_thinking: a constrained answer ({constraints[0]}) is generated "
+                f"without thinking; leave enable_thinking out or send false"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        return self
+
+    @property
+    def json_format(self) -> JsonObjectFormat | JsonSchemaFormat | None:
+        """The JSON response format asked for, if any ("text" is no format)."""
+        if isinstance(self.response_format, JsonObjectFormat | JsonSchemaFormat):
+            return self.response_format
+        return None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """``tool_choice`` is "required" or names a function: the answer is only calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def constrained(self) -> bool:
+        """The sampler is held to a grammar (JSON, regex, choice, grammar or forced calls)."""
+        return (
+            self.json_format is not None or self.constraint is not None or (self.forces_tool_call)
+        )
+
+    @property
+    def tools_offered(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def _choice_name(self) -> str:
+        choice = self.tool_choice
+        return (
+            f"function {choice.function.name}"
+            if isinstance(choice, NamedToolChoice)
+            else (str(choice))
+        )
 
 
 def limit_problem(
@@ -88,8 +194,14 @@ def describe_validation_error(error: ValidationError) -> str:
     """Pydantic's error as one sentence per problem, each naming the field at fault."""
     parts = []
     for item in error.errors():
+        message = item["msg"]
+        if item["type"] == "value_error":  # our own validators' messages name the field
+            message = message.removeprefix("Value error, ")
+            if not item["loc"]:
+                parts.append(message)
+                continue
         where = ".".join(str(part) for part in item["loc"]) or "request"
-        parts.append(f"{where}: {item['msg']}")
+        parts.append(f"{where}: {message}")
     return "; ".join(parts)
 
 
@@ -127,6 +239,8 @@ class DoneEvent(_Event):
     usage: Usage
     timings: Timings
     reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorEvent(_Event):
@@ -156,6 +270,14 @@ class ChatResult(BaseModel):
     usage: Usage
     timings: Timings
     reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def from_done(cls, done: DoneEvent, text: str) -> ChatResult:
+        """The result of a stream whose deltas added up to ``text`` and that ended ``done``."""
+        fields = {name: getattr(done, name) for name in cls.model_fields if name != "text"}
+        return cls(text=text, **fields)
 
 
 # --- arq serialization -----------------------------------------------------------------------

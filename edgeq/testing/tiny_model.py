@@ -90,15 +90,54 @@ NON_SPECIAL_ADDED_TOKENS = (THINK_OPEN, THINK_CLOSE)
 MODEL_MAX_LENGTH = MAX_POSITION_EMBEDDINGS
 
 # Qwen3-style template reduced to what the worker uses: plain messages, reasoning
-# stripped from past assistant turns, and `enable_thinking=False` pre-filling an
-# empty think block exactly as Qwen3's template does.
+# stripped from past assistant turns, `enable_thinking=False` pre-filling an empty think
+# block, and Qwen3's tool format: the tools listed in the system turn, an assistant's calls
+# as <tool_call> blocks, and tool results grouped into one user turn of <tool_response>s.
+# Messages without tools render exactly as before the tools section existed.
+TOOLS_PREAMBLE = (
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
+)
+TOOLS_INSTRUCTIONS = (
+    "\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+)
 CHAT_TEMPLATE = (
+    "{%- set first_system = messages[0]['role'] == 'system' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if first_system %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    '{{- "' + TOOLS_PREAMBLE + '" }}'
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- "' + TOOLS_INSTRUCTIONS + '<|im_end|>\\n" }}'
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- set content = message['content'] if message['content'] is string else '' %}"
+    "{%- if tools and loop.first and first_system %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}"
+    "{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- else %}"
     "{%- if message['role'] == 'assistant' and '</think>' in content %}"
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set function = call['function'] %}"
+    "{%- set arguments = function['arguments'] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}"
+    "{{- arguments if arguments is string else (arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"
@@ -235,12 +274,15 @@ def build_tokenizer() -> Tokenizer:
             pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme="never", split=True),
         ]
     )
-    # prepend_scheme="never" on both sides: no space is invented before the first
-    # word, so encode/decode round-trips, and the decoder never strips a leading
-    # space, which vLLM's streaming detokenizer (tokenizers' DecodeStream, decoding
-    # a window that starts mid-text) would otherwise drop between tokens.
-    tokenizer.decoder = decoders.Metaspace(
-        replacement=SPACE_MARK, prepend_scheme="never", split=True
+    # No space is invented before the first word (prepend_scheme="never"), so
+    # encode/decode round-trips, and the decoder never strips a leading space, which
+    # vLLM's streaming detokenizer (tokenizers' DecodeStream, decoding a window that
+    # starts mid-text) would otherwise drop between tokens. The decoder is spelt as
+    # Llama's is (replace the mark, byte fallback, fuse) rather than as Metaspace: it
+    # decodes the same, and xgrammar recognises it, so a grammar that needs a space
+    # (a regex, a tool call's JSON) knows which tokens produce one.
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
 
     trainer = trainers.BpeTrainer(
