@@ -15,7 +15,8 @@ from edgeq.core.protocol import ChatRequest, ChatResult, Timings, Usage
 from edgeq.core.structured import json_schema_format, parse_answer
 from edgeq.producer.client import build_request
 from edgeq.worker.structured import (
-    ToolCallReader,
+    AnswerReader,
+    JsonStringEscaper,
     forced_calls_schema,
     grammar_problem,
     structured_outputs,
@@ -37,7 +38,7 @@ def tokenizer(tiny_model: Path):
 
 
 def read(request: ChatRequest, tokenizer, pieces: list[str]) -> tuple[list[str], str, list]:
-    reader = ToolCallReader(request, tokenizer)
+    reader = AnswerReader(request, tokenizer)
     streamed = [reader.feed(piece) for piece in pieces]
     tail, calls = reader.finish()
     return streamed, tail, calls
@@ -151,3 +152,11 @@ def test_grammar_problems_keep_the_reason_and_drop_source_locations() -> None:
             raise ValueError("Invalid grammar specification.") from cause
     except ValueError as error:
         assert grammar_problem(error) == "Invalid grammar specification: Rule x is undefined"
+
+
+def test_control_characters_inside_json_strings_are_escaped_as_they_stream() -> None:
+    escaper = JsonStringEscaper()
+    pieces = ['{"a":"x\ty', '","b\\"":"', "\n", '\\\\"}']
+    text = "".join(escaper.feed(piece) for piece in pieces)
+    assert json.loads(text) == {"a": "x\ty", 'b"': "\n\\"}
+    assert JsonStringEscaper().feed('{"a": 1}\n') == '{"a": 1}\n'  # outside strings: as is

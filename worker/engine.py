@@ -42,7 +42,7 @@ from vllm.platforms import current_platform  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 
-from edgeq.worker.structured import ToolCallReader, structured_outputs  # noqa: E402
+from edgeq.worker.structured import AnswerReader, structured_outputs  # noqa: E402
 
 
 class PromptTooLong(Exception):
@@ -130,8 +130,8 @@ class ChatEngine:
         self.llm.shutdown()
         self._render_thread.shutdown(wait=False, cancel_futures=True)
 
-    def tool_call_reader(self, request: ChatRequest) -> ToolCallReader:
-        return ToolCallReader(request, self._tokenizer)
+    def answer_reader(self, request: ChatRequest) -> AnswerReader:
+        return AnswerReader(request, self._tokenizer)
 
     def thinking_enabled(self, request: ChatRequest) -> bool:
         # A grammar holds the answer from its first token, so there is no room to think.

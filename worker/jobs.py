@@ -210,7 +210,7 @@ async def run_chat(
     )
 
     splitter = ReasoningSplitter(thinking=thinking)
-    calls_reader = engine.tool_call_reader(request)
+    answer_reader = engine.answer_reader(request)
     answer: list[str] = []
     logprobs: list[TokenLogprob] | None = [] if request.logprobs else None
     completion_tokens = 0
@@ -236,7 +236,7 @@ async def run_chat(
                 logprobs += token_logprobs(
                     completion.token_ids, completion.logprobs, request.top_logprobs or 0
                 )
-            text = calls_reader.feed(splitter.feed(completion.text))
+            text = answer_reader.feed(splitter.feed(completion.text))
             answer.append(text)
             await publisher.publish_text(text)
             if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
@@ -248,7 +248,7 @@ async def run_chat(
             if output.finished:
                 finish_reason = completion.finish_reason or finish_reason
 
-    held_back, tool_calls = calls_reader.finish()
+    held_back, tool_calls = answer_reader.finish()
     if held_back:
         answer.append(held_back)
         await publisher.publish_text(held_back)

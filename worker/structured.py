@@ -37,6 +37,8 @@ from edgeq.core.structured import (
 )
 
 TOOL_CALL_OPEN = Hermes2ProToolParser.tool_call_start_token
+# JSON's short escapes for control characters; the others are written \u00XX.
+JSON_ESCAPES = {0x08: "\\b", 0x09: "\\t", 0x0A: "\\n", 0x0C: "\\f", 0x0D: "\\r"}
 # JSON has no -inf; OpenAI's and vLLM's servers send this floor instead.
 LOGPROB_FLOOR = -9999.0
 
@@ -129,9 +131,10 @@ class _ForcedCall(BaseModel):
 _forced_calls = TypeAdapter(list[_ForcedCall])
 
 
-class ToolCallReader:
-    """Feed it the answer text as it streams: it returns what may stream as content now and
-    keeps tool-call text back; ``finish`` parses the calls when the answer is complete."""
+class AnswerReader:
+    """Feed it the answer text as it streams: it returns what may stream now (JSON with its
+    strings' control characters escaped, text up to a tool call) and keeps tool-call text
+    back; ``finish`` parses the calls when the answer is complete."""
 
     def __init__(self, request: ChatRequest, tokenizer: Any) -> None:
         self._request = request
@@ -139,8 +142,12 @@ class ToolCallReader:
         self._auto = request.tools_offered and not request.forces_tool_call
         self._text: list[str] = []
         self._sent = 0  # characters of the answer streamed as content
+        json_answer = request.json_format is not None or request.forces_tool_call
+        self._escaper = JsonStringEscaper() if json_answer else None
 
     def feed(self, text: str) -> str:
+        if self._escaper is not None:
+            text = self._escaper.feed(text)
         self._text.append(text)
         if self._request.forces_tool_call:
             return ""
@@ -176,6 +183,34 @@ class ToolCallReader:
             return [_call(call.name, call.parameters) for call in calls]
         except (ValueError, ValidationError):
             return None
+
+
+class JsonStringEscaper:
+    """Escapes raw control characters inside the strings of JSON text as it streams.
+
+    JSON forbids them there, but xgrammar (0.2.8) lets a string with ``maxLength`` hold any
+    character but a quote, a backslash, CR and LF, so a model may put a tab in one and the
+    answer would not parse. Escaped, the string means the same and its length is unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, text: str) -> str:
+        out = []
+        for char in text:
+            if self._in_string and not self._escaped and ord(char) < 0x20:
+                out.append(JSON_ESCAPES.get(ord(char), f"\\u{ord(char):04x}"))
+                continue
+            out.append(char)
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\" and self._in_string:
+                self._escaped = True
+            elif char == '"':
+                self._in_string = not self._in_string
+        return "".join(out)
 
 
 def _partial_tag(text: str, tag: str) -> int:
