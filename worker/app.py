@@ -20,7 +20,7 @@ import redis.exceptions
 import structlog
 from arq.worker import func
 
-from edgeq.core.connection import make_redis
+from edgeq.core.connection import make_redis, tls_hint
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import health_check_key
@@ -102,7 +102,9 @@ class EdgeqWorker(FastPickupWorker):
         try:
             await super()._poll_iteration()
         except REDIS_ERRORS as error:
-            log.warning("redis_unavailable", error=f"{type(error).__name__}: {error}")
+            log.warning(
+                "redis_unavailable", error=f"{type(error).__name__}: {error}{tls_hint(error)}"
+            )
             await asyncio.sleep(REDIS_RETRY_S)
 
     def handle_sig_wait_for_completion(self, signum: Any) -> None:

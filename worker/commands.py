@@ -13,10 +13,11 @@ from pathlib import Path
 
 import structlog
 
-from edgeq.core.errors import ConfigError
+from edgeq.core.connection import redis_errors
+from edgeq.core.errors import ConfigError, RedisUnavailable
 from edgeq.core.logs import configure_logging
 from edgeq.core.settings import load_settings
-from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK
+from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 from edgeq.worker.settings import WorkerSettings
 
 
@@ -40,10 +41,17 @@ def run_worker_command(*, env_file: Path | None) -> int:
         )
         return EXIT_CONFIG
     try:
-        run_worker(settings, process_started=process_started)
+        # Redis is first used before the engine starts (arq reads its INFO): an unreachable
+        # one, or a certificate that does not verify, ends the start at once with 69.
+        with redis_errors(settings.redis_url):
+            run_worker(settings, process_started=process_started)
     except ConfigError as error:
         print(f"edgeq worker: {error}", file=sys.stderr)
         return EXIT_CONFIG
+    except RedisUnavailable as error:
+        log.error("worker_failed", error=str(error))
+        print(f"edgeq worker: {error}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except Exception as error:
         log.exception("worker_failed", error=f"{type(error).__name__}: {error}")
         print(f"edgeq worker: stopped: {type(error).__name__}: {error}", file=sys.stderr)

@@ -121,4 +121,16 @@ def redis_errors(url: str) -> Iterator[None]:
             f"name, the Sentinels' host:port and ?sentinel_password= in EDGEQ_REDIS_URL)"
         ) from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as error:
-        raise RedisUnavailable(f"cannot reach Redis at {redacted_url(url)}: {error}") from None
+        raise RedisUnavailable(
+            f"cannot reach Redis at {redacted_url(url)}: {error}{tls_hint(error)}"
+        ) from None
+
+
+def tls_hint(error: BaseException) -> str:
+    """What to check when a connection failed on the server's certificate, else ""."""
+    if "CERTIFICATE_VERIFY_FAILED" not in str(error):
+        return ""
+    return (
+        " (TLS: the server's certificate does not verify against the CA in ssl_ca_certs= of "
+        "EDGEQ_REDIS_URL, or its names do not include the host)"
+    )

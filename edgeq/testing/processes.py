@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edgeq.testing.tls import TlsFiles, rediss_url
+
 READY_EVENT = "worker_ready"
 READY_LOG_LEVELS = {"debug", "info"}
 # Engine start-up measured here is ~20-40 s on two cores; leave room for a busy machine.
@@ -101,23 +103,35 @@ def redis_server_binary() -> str:
 
 @dataclass
 class RedisServer:
-    """A throw-away redis-server on loopback: no persistence, its own port."""
+    """A throw-away redis-server on loopback: no persistence, its own port. With ``tls`` the
+    port speaks TLS only (clients are not asked for certificates)."""
 
     port: int = field(default_factory=free_port)
     extra_args: tuple[str, ...] = ()
+    tls: TlsFiles | None = None
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return rediss_url(self.port, self.tls.ca)
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def _listen_args(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        return [
+            *("--port", "0", "--tls-port", str(self.port)),
+            *("--tls-cert-file", str(self.tls.certificate), "--tls-key-file", str(self.tls.key)),
+            *("--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "no"),
+        ]
 
     def start(self) -> RedisServer:
         binary = redis_server_binary()
         self.process = subprocess.Popen(
             [
                 binary,
-                "--port",
-                str(self.port),
+                *self._listen_args(),
                 "--bind",
                 "127.0.0.1",
                 "--save",
