@@ -35,7 +35,7 @@ from edgeq.core.errors import (
     StreamBroken,
 )
 from edgeq.core.events import EventLog, finished_with, read_events
-from edgeq.core.leases import declare_lost, lease_expired
+from edgeq.core.leases import abandoned, declare_lost, hand_over, lease_expired
 from edgeq.core.protocol import (
     ChatMessage,
     ChatRequest,
@@ -213,13 +213,26 @@ class ChatJob:
         self._backlog.extend(events)
 
     async def _check_worker_alive(self) -> None:
-        """If the job's worker stopped renewing its lease, end the job with ``worker_lost``."""
+        """If the job's worker stopped renewing its lease, hand the job over to be continued
+        (or end it with ``worker_lost``); if it was handed over and nobody took it before its
+        payload expired, end it with ``worker_lost``."""
         client = self._client
-        with redis_errors(client.settings.redis_url):
-            if await lease_expired(client.redis, client.settings.queue, self.job_id):
-                await declare_lost(
-                    client.redis, client.events, self.job_id, queue=client.queue.name
+        settings = client.settings
+        with redis_errors(settings.redis_url):
+            if await lease_expired(client.redis, settings.queue, self.job_id):
+                await hand_over(
+                    client.redis,
+                    client.events,
+                    self.job_id,
+                    queue=settings.queue,
+                    max_continuations=settings.max_continuations,
+                    deadline_s=settings.queue_deadline_s,
                 )
+            elif await abandoned(client.redis, settings.queue, self.job_id):
+                await declare_lost(
+                    client.redis, client.events, self.job_id, queue=settings.queue,
+                    why="no worker took it over within its queue deadline (EDGEQ_QUEUE_DEADLINE_S)",
+                )  # fmt: skip
 
 
 class ChatClient:

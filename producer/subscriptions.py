@@ -19,17 +19,16 @@ import asyncio
 import contextlib
 from typing import Final
 
-import redis.exceptions
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
+from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.keys import stream_channel
 
 #: Put on a job's queue when its subscription took effect, or came back after an outage:
 #: events published before may have been missed, the replay stream has them. (An event is
 #: never empty.)
 REPLAY: Final = b""
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 class StreamSubscriptions:

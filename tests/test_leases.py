@@ -9,9 +9,17 @@ import pytest
 from redis.asyncio import Redis
 
 from edgeq.core.events import EventLog, read_events
-from edgeq.core.keys import leases_key
-from edgeq.core.leases import lease_expired, reap_lost_jobs, redis_now_ms, renew_leases
-from edgeq.core.protocol import ErrorEvent
+from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key
+from edgeq.core.leases import (
+    Handover,
+    abandoned,
+    hand_over,
+    lease_expired,
+    reap_lost_jobs,
+    redis_now_ms,
+    renew_leases,
+)
+from edgeq.core.protocol import DeltaEvent, ErrorEvent
 
 
 async def test_a_renewal_counts_from_when_redis_records_it_whatever_the_worker_clock(
@@ -37,8 +45,62 @@ async def test_only_a_job_whose_lease_ran_out_is_declared_lost(redis: Redis, que
 
     assert await lease_expired(redis, queue, "silent")
     assert not await lease_expired(redis, queue, "alive")
-    assert await reap_lost_jobs(redis, log, queue=queue) == ["silent"]
+    reap = {"queue": queue, "max_continuations": 0, "deadline_s": 60}
+    assert await reap_lost_jobs(redis, log, **reap) == {"silent": Handover.LOST}
     (event,) = await read_events(redis, "silent")
     assert isinstance(event, ErrorEvent) and event.code == "worker_lost"
+    assert "EDGEQ_MAX_CONTINUATIONS=0" in event.message
     assert await read_events(redis, "alive") == []
-    assert await reap_lost_jobs(redis, log, queue=queue) == []
+    assert await reap_lost_jobs(redis, log, **reap) == {}
+
+
+async def started_job(redis: Redis, queue: str, job_id: str, *, starts: int) -> None:
+    """A job as arq leaves it running: payload, in the queue, in progress, started ``starts``
+    times, with a lease that has already run out."""
+    await redis.set(job_key(job_id), b"{}", px=5_000)
+    await redis.zadd(queue, {job_id: 1})
+    await redis.set(in_progress_key(job_id), b"1", px=60_000)
+    await redis.set(retry_key(job_id), starts)
+    await redis.zadd(leases_key(queue), {job_id: 1})  # expired in 1970
+
+
+async def test_a_lost_job_is_handed_over_once_for_another_worker_to_continue(
+    redis: Redis, queue: str
+) -> None:
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await started_job(redis, queue, "crashed", starts=1)
+    outcomes = await asyncio.gather(  # a client and two workers notice at the same moment
+        *(hand_over(redis, log, "crashed", queue=queue, max_continuations=2, deadline_s=30)
+          for _ in range(3))
+    )  # fmt: skip
+    assert sorted(outcomes) == [Handover.NOT_EXPIRED, Handover.NOT_EXPIRED, Handover.CONTINUED]
+    assert not await redis.exists(in_progress_key("crashed"))  # any worker may claim it now
+    assert await redis.zscore(queue, "crashed") == 1  # in its old place in the queue
+    assert 25_000 < await redis.pttl(job_key("crashed")) <= 30_000  # taken within the deadline
+    assert await redis.zscore(leases_key(queue), "crashed") is None
+    assert await read_events(redis, "crashed") == []  # the stream goes on: no terminal event
+
+
+async def test_a_job_started_past_the_limit_ends_worker_lost(redis: Redis, queue: str) -> None:
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await started_job(redis, queue, "poison", starts=3)
+    outcome = await hand_over(redis, log, "poison", queue=queue, max_continuations=2, deadline_s=30)
+    assert outcome is Handover.LOST
+    (event,) = await read_events(redis, "poison")
+    assert event.code == "worker_lost" and "started 3 times" in event.message
+    assert not await redis.exists(job_key("poison"), in_progress_key("poison"))
+    assert await redis.zscore(queue, "poison") is None  # never started again
+
+
+async def test_a_handed_over_job_nobody_took_before_its_deadline_is_abandoned(
+    redis: Redis, queue: str
+) -> None:
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await started_job(redis, queue, "orphan", starts=1)
+    await log.append(DeltaEvent(job_id="orphan", seq=0, text="half an ans"))
+    await hand_over(redis, log, "orphan", queue=queue, max_continuations=2, deadline_s=0.2)
+    assert not await abandoned(redis, queue, "orphan")  # waiting for a taker
+    await asyncio.sleep(0.3)  # its payload expired: nobody can continue it any more
+    assert await abandoned(redis, queue, "orphan")
+    await log.append(ErrorEvent(job_id="orphan", seq=0, code="worker_lost", message="x"))
+    assert not await abandoned(redis, queue, "orphan")  # ended: nothing left to do

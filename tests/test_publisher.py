@@ -10,9 +10,10 @@ from redis.asyncio.client import PubSub
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog, read_events
-from edgeq.core.keys import stream_channel
+from edgeq.core.keys import events_key, stream_channel
 from edgeq.core.protocol import DeltaEvent, Timings, Usage
-from edgeq.worker.publisher import StreamPublisher
+from edgeq.testing.processes import RedisServer
+from edgeq.worker.publisher import RedisAway, StreamPublisher
 
 
 class FakeClock:
@@ -140,3 +141,82 @@ async def test_appends_survive_a_flushed_script_cache(redis: Redis) -> None:
     )
     assert [item.seq for item in published] == [1, 2]
     assert [e.text for e in await read_events(redis, "p5")] == ["a", "b", "c"]
+
+
+async def test_an_append_repeated_after_a_lost_reply_is_stored_once(redis: Redis) -> None:
+    log = EventLog(redis, replay_ttl_s=60)
+    events = [DeltaEvent(job_id="p-retry", seq=n, text=t) for n, t in enumerate("ab")]
+    first = await log.append_many(events, at_seq=True)
+    again = await log.append_many(events, at_seq=True)  # the reply was lost: sent again
+    assert [p.seq for p in first] == [p.seq for p in again] == [0, 1]
+    assert [e.text for e in await read_events(redis, "p-retry")] == ["a", "b"]
+    with pytest.raises(StreamClosed):  # another event at a taken seq is not ours
+        await log.append_many([DeltaEvent(job_id="p-retry", seq=1, text="x")], at_seq=True)
+
+
+async def test_events_redis_lost_are_sent_again_in_order(redis: Redis) -> None:
+    clock = FakeClock()
+    publisher = StreamPublisher(
+        EventLog(redis, replay_ttl_s=60), "p-lost", interval_s=0.05, clock=clock
+    )
+    for piece in ("A", "B"):
+        await publisher.publish_text(piece)
+        clock.now += 0.1
+    await redis.delete(events_key("p-lost"))  # a restart without persistence, a failover
+    await publisher.publish_text("C")
+    timings = Timings(queued_ms=1, ttft_ms=2, total_ms=3)
+    await publisher.publish_done(
+        finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3), timings=timings
+    )
+    events = await read_events(redis, "p-lost")
+    assert [e.seq for e in events] == [0, 1, 2, 3]
+    assert [getattr(e, "text", e.type) for e in events] == ["A", "B", "C", "done"]
+
+
+async def test_text_made_while_redis_is_away_lands_in_order_when_it_is_back() -> None:
+    server = RedisServer().start()
+    redis = Redis.from_url(server.url)
+    clock = FakeClock()
+    publisher = StreamPublisher(
+        EventLog(redis, replay_ttl_s=60), "p-away", interval_s=0.05, outage_limit_s=10, clock=clock
+    )
+    try:
+        await publisher.publish_text("A")
+        server.stop()
+        for piece in ("B", "C", "D"):  # generation goes on: nothing raises
+            clock.now += 0.5
+            await publisher.publish_text(piece)
+        assert publisher.redis_away_s > 0
+        server.start()  # same port, its data gone: the publisher sends everything again
+        timings = Timings(queued_ms=1, ttft_ms=2, total_ms=3)
+        done = await publisher.publish_done(
+            finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=4),
+            timings=timings,
+        )  # fmt: skip
+        events = await read_events(redis, "p-away")
+        assert "".join(e.text for e in events[:-1]) == "ABCD"
+        assert [e.seq for e in events] == list(range(len(events))) and done.seq == events[-1].seq
+        assert publisher.redis_away_s == 0
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+async def test_an_outage_longer_than_the_limit_stops_the_job() -> None:
+    server = RedisServer().start()
+    redis = Redis.from_url(server.url)
+    clock = FakeClock()
+    publisher = StreamPublisher(
+        EventLog(redis, replay_ttl_s=60), "p-gone", interval_s=0.05, outage_limit_s=2, clock=clock
+    )
+    try:
+        await publisher.publish_text("A")
+        server.stop()
+        clock.now += 0.5
+        await publisher.publish_text("B")  # away 0 s: kept
+        clock.now += 3
+        with pytest.raises(RedisAway, match="EDGEQ_LEASE_TTL_S"):
+            await publisher.publish_text("C")
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -16,15 +16,20 @@ import socket
 import time
 from typing import Any
 
-import redis.exceptions
 import structlog
 from arq.worker import func
 
-from edgeq.core.connection import make_redis, tls_hint
+from edgeq.core.connection import REDIS_ERRORS, make_redis, tls_hint
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import health_check_key
-from edgeq.core.leases import reap_lost_jobs, release_lease, renew_leases
+from edgeq.core.leases import (
+    LOST_MESSAGE,
+    Handover,
+    reap_lost_jobs,
+    release_lease,
+    renew_leases,
+)
 from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.worker.engine import ChatEngine, describe_device
@@ -44,7 +49,6 @@ HEALTH_CHECK_INTERVAL_S = 10
 LEASE_RENEWALS_PER_TTL = 4
 # While Redis is unreachable the worker keeps its warm engine and tries again this often.
 REDIS_RETRY_S = 0.5
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 log = structlog.get_logger("edgeq.worker")
 
@@ -61,19 +65,31 @@ def early_failure(result_data: bytes | None) -> tuple[ErrorCode, str]:
         outcome = {}
     name = outcome.get("exception", "") if isinstance(outcome, dict) else ""
     said = outcome.get("message", "") if isinstance(outcome, dict) else str(outcome)
+    if said == "job expired" and _starts(result_data) > 1:
+        return ErrorCode.WORKER_LOST, LOST_MESSAGE.format(
+            why="no worker took it over within its queue deadline (EDGEQ_QUEUE_DEADLINE_S)"
+        )
     if said == "job expired":
         return ErrorCode.EXPIRED, (
             "the job was not started before its queue deadline (EDGEQ_QUEUE_DEADLINE_S or "
             "the deadline given at submit); it never ran"
         )
     if "retries exceeded" in said:
-        return ErrorCode.WORKER_LOST, (
-            "a worker took this job and stopped before finishing it; the job was not re-run, "
-            "so it is safe to submit it again"
+        return ErrorCode.WORKER_LOST, LOST_MESSAGE.format(
+            why="it was started as often as EDGEQ_MAX_CONTINUATIONS allows"
         )
     if name == "CancelledError":
         return ErrorCode.CANCELLED, "the job was aborted before it started"
     return ErrorCode.ENGINE_ERROR, f"the job failed before it started: {name or said}"
+
+
+def _starts(result_data: bytes | None) -> int:
+    """How often arq had started the job (its ``job_try``), from a failure's result data."""
+    try:
+        starts = json.loads(result_data or b"{}").get("t")
+    except (ValueError, AttributeError):
+        return 0
+    return starts if isinstance(starts, int) else 0
 
 
 class EdgeqWorker(FastPickupWorker):
@@ -97,6 +113,15 @@ class EdgeqWorker(FastPickupWorker):
             log.info("job_failed", job_id=job_id, code=code.value, reason=message)
         except StreamClosed:
             pass  # already ended (cancelled, or declared lost): one terminal event only
+
+    async def finish_job(self, job_id: str, *args: Any, **kwargs: Any) -> None:
+        # A run whose stream another run took must not finish the job for it (arq would
+        # delete the payload and in-progress keys the other run still needs).
+        superseded = worker_state(self.ctx).superseded
+        if job_id in superseded:
+            superseded.discard(job_id)
+            return
+        await super().finish_job(job_id, *args, **kwargs)
 
     async def _poll_iteration(self) -> None:
         try:
@@ -144,8 +169,19 @@ async def keep_alive(state: WorkerState) -> None:
             await renew_leases(
                 redis, settings.queue, list(state.running), ttl_s=settings.lease_ttl_s
             )
-            for job_id in await reap_lost_jobs(redis, state.events, queue=settings.queue):
-                log.warning("job_lost", job_id=job_id, reason="its worker's lease ran out")
+            handed = await reap_lost_jobs(
+                redis,
+                state.events,
+                queue=settings.queue,
+                max_continuations=settings.max_continuations,
+                deadline_s=settings.queue_deadline_s,
+            )
+            for job_id, outcome in handed.items():
+                log.warning(
+                    "job_handed_over" if outcome is Handover.CONTINUED else "job_lost",
+                    job_id=job_id,
+                    reason="its worker's lease ran out",
+                )
             await publish_heartbeat(
                 redis, describe_worker(state, time.time()), ttl_s=settings.lease_ttl_s
             )
@@ -221,7 +257,8 @@ def build_worker(
             func(
                 chat,
                 name=JOB_FUNCTION,
-                max_tries=1,  # a half-streamed answer is never silently generated again
+                # A start after the first continues the stream where it stopped (jobs.py).
+                max_tries=settings.max_continuations + 1,
                 timeout=settings.job_timeout_s + ARQ_TIMEOUT_MARGIN_S,
             )
         ],

@@ -18,7 +18,7 @@ from edgeq.core.protocol import ChatMessage, ChatRequest
 from edgeq.core.structured import Tool
 from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
 from edgeq.worker.settings import WorkerSettings
-from edgeq.worker.vllm_plugin import ENABLE_ENV
+from edgeq.worker.vllm_plugin import ENABLE_ENV, OWNER_ENV
 
 # When thinking is off the think tags are banned from sampling, so a model that ignores the
 # pre-closed think block of Qwen3's template still cannot open one.
@@ -35,6 +35,7 @@ WARMUP_TOKENS = 4
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ[ENABLE_ENV] = "1"
+os.environ[OWNER_ENV] = str(os.getpid())
 
 from vllm import AsyncEngineArgs, RequestOutput, SamplingParams  # noqa: E402
 from vllm.config import StructuredOutputsConfig  # noqa: E402
@@ -171,8 +172,22 @@ class ChatEngine:
         # The template already emits every special token the model expects.
         return self._tokenizer.encode(text, add_special_tokens=False)
 
-    def sampling_params(self, request: ChatRequest, prompt_tokens: int) -> SamplingParams:
-        """SamplingParams for one request: its own fields, else the box-wide defaults."""
+    async def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (an answer's part already streamed), on the render thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._render_thread,
+            lambda: self._tokenizer.encode(text, add_special_tokens=False),
+        )
+
+    def max_tokens(self, request: ChatRequest) -> int:
+        return request.max_tokens if request.max_tokens is not None else self.settings.max_tokens
+
+    def sampling_params(
+        self, request: ChatRequest, prompt_tokens: int, *, already: int = 0
+    ) -> SamplingParams:
+        """SamplingParams for one request: its own fields, else the box-wide defaults;
+        ``already`` tokens of the answer exist (a continued job) and count against max_tokens."""
         room = self.max_model_len - prompt_tokens
         if room < 1:
             raise PromptTooLong(
@@ -181,7 +196,7 @@ class ChatEngine:
                 f"generated token"
             )
         defaults = self.settings
-        max_tokens = request.max_tokens if request.max_tokens is not None else defaults.max_tokens
+        max_tokens = self.max_tokens(request) - already
         banned = None
         if not self.thinking_enabled(request) and self._think_ids:
             banned = dict.fromkeys(self._think_ids, BANNED_LOGIT_BIAS)

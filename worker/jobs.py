@@ -2,6 +2,12 @@
 
 Every path out of ``chat`` publishes exactly one terminal event: ``done`` with usage and
 timings, or ``error`` with a stable code. The same terminal outcome is the arq job result.
+
+A job arq starts for the second time was handed over after its worker died
+(core/leases.py): its stream already holds what the dead worker published. It is continued:
+the prompt is the chat plus the answer text streamed so far, and its new text follows the
+old in the same stream, under the next ``seq``. What cannot be continued from the middle (a
+constrained answer, logprobs, ``on_worker_lost="fail"``) ends with ``worker_lost``.
 """
 
 from __future__ import annotations
@@ -11,20 +17,22 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
-from vllm import RequestOutput
+from vllm import RequestOutput, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from edgeq.core.errors import StreamClosed
+from edgeq.core.events import AnyEvent, StreamTaken, read_events
 from edgeq.core.leases import release_lease, renew_leases
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
+    DeltaEvent,
     ErrorCode,
     Timings,
     Usage,
@@ -34,7 +42,7 @@ from edgeq.core.protocol import (
 from edgeq.core.structured import TokenLogprob
 from edgeq.worker.engine import ChatEngine, PromptTooLong
 from edgeq.worker.metrics import WorkerMetrics
-from edgeq.worker.publisher import StreamPublisher
+from edgeq.worker.publisher import RedisAway, StreamPublisher
 from edgeq.worker.reasoning import ReasoningSplitter
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.state import worker_state
@@ -82,10 +90,18 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
     """arq entry point; ``payload`` comes from ``edgeq.worker.wire.load_job``."""
     job_id: str = ctx["job_id"]  # arq's per-job keys
     enqueued_s = ctx["enqueue_time"].timestamp()
+    continued = int(ctx.get("job_try") or 1) - 1  # starts before this one
     state = worker_state(ctx)
     settings, metrics = state.settings, state.metrics
     structlog.contextvars.bind_contextvars(job_id=job_id)
-    publisher = StreamPublisher(state.events, job_id, interval_s=settings.stream_interval_ms / 1000)
+    earlier = await read_events(state.redis, job_id) if continued else []
+    publisher = StreamPublisher(
+        state.events,
+        job_id,
+        interval_s=settings.stream_interval_ms / 1000,
+        outage_limit_s=settings.lease_ttl_s,
+        earlier=earlier,
+    )
     state.running.add(job_id)
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
@@ -96,7 +112,14 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             await renew_leases(state.redis, settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(
-                state.ready_engine, settings, metrics, publisher, payload, enqueued_s
+                state.ready_engine,
+                settings,
+                metrics,
+                publisher,
+                payload,
+                enqueued_s,
+                earlier=earlier,
+                continued=continued,
             )
         # The same clock reading as the done event's total_ms: metric and event agree.
         outcome, e2e_s = "done", result.timings.total_ms / 1000
@@ -111,12 +134,23 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             ErrorCode.TIMEOUT,
             f"generation did not finish within {settings.job_timeout_s:g} s (EDGEQ_JOB_TIMEOUT_S)",
         )
-    except StreamClosed:
-        # Someone else ended the stream (a cancel, or a reaper that thought us lost): the
-        # generation was abandoned, which aborted its engine request.
+    except RedisAway as away:
+        # Nothing can reach the stream; by now a client has found the lease expired and ended
+        # the stream with worker_lost, which is what the metrics count too.
+        log.warning("job_abandoned", reason=str(away))
+        outcome = ErrorCode.WORKER_LOST.value
+        return {"type": "error", "code": outcome, "message": str(away)}
+    except StreamClosed as closed:
+        # Someone else ended the stream (a cancel, or a reaper that thought us lost), or took
+        # it over (we were thought dead): the generation was abandoned, which aborted its
+        # engine request.
+        if isinstance(closed, StreamTaken):
+            state.superseded.add(job_id)
         log.info(
             "job_stopped",
-            reason="its stream was ended elsewhere (cancel or worker_lost)",
+            reason="another run of the job took its stream"
+            if isinstance(closed, StreamTaken)
+            else "its stream was ended elsewhere (cancel or worker_lost)",
             engine_unfinished_requests=state.ready_engine.llm.get_num_unfinished_requests(),
         )
         outcome = ErrorCode.CANCELLED.value
@@ -146,7 +180,8 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
     finally:
         metrics.job_ended(outcome, e2e_s=e2e_s)
         state.running.discard(job_id)
-        await asyncio.shield(_release(state.redis, settings.queue, job_id))
+        if job_id not in state.superseded:  # else the lease is the other run's
+            await asyncio.shield(_release(state.redis, settings.queue, job_id))
         structlog.contextvars.unbind_contextvars("job_id")
 
 
@@ -164,7 +199,7 @@ async def _fail(publisher: StreamPublisher, code: ErrorCode, message: str) -> di
         return failure
     try:
         event = await asyncio.shield(publisher.publish_error(code.value, message))
-    except StreamClosed:
+    except (StreamClosed, RedisAway):
         return failure
     return event.model_dump(mode="json")
 
@@ -187,25 +222,40 @@ async def run_chat(
     publisher: StreamPublisher,
     payload: JobPayload,
     enqueued_s: float,
+    *,
+    earlier: Sequence[AnyEvent] = (),
+    continued: int = 0,
 ) -> ChatResult:
     started_s = time.time()
     request = parse_request(payload, settings)
-    thinking = engine.thinking_enabled(request)
+    streamed = "".join(event.text for event in earlier if isinstance(event, DeltaEvent))
+    if continued:
+        refuse_continuation(request, streamed)
+    # An answer under way goes on as an answer: no think block before the rest of it.
+    thinking = engine.thinking_enabled(request) and not streamed
     tools = request.tools if request.tools_offered else None
-    prompt = await engine.render(request.messages, enable_thinking=thinking, tools=tools)
-    try:
-        params = engine.sampling_params(request, len(prompt))
-    except PromptTooLong as error:
-        raise JobRefused(ErrorCode.PROMPT_TOO_LONG, str(error)) from None
-    except VLLMValidationError as error:
-        raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
+    chat_prompt = await engine.render(request.messages, enable_thinking=thinking, tools=tools)
+    already = await engine.encode(streamed) if streamed else []
+    prompt = chat_prompt + already
+    left = engine.max_tokens(request) - len(already)  # < 1: the answer so far used it all
+    params: SamplingParams | None = None
+    if left > 0:
+        try:
+            params = engine.sampling_params(request, len(prompt), already=len(already))
+        except PromptTooLong as error:
+            if not streamed:
+                raise JobRefused(ErrorCode.PROMPT_TOO_LONG, str(error)) from None
+            left = 0  # the answer so far fills the context: it ends here
+        except VLLMValidationError as error:
+            raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
     metrics.job_started(queued_s=started_s - enqueued_s, prompt_tokens=len(prompt))
     log.info(
-        "job_started",
+        "job_continued" if continued else "job_started",
         queued_ms=_ms_since(enqueued_s, started_s),
         prompt_tokens=len(prompt),
-        max_tokens=params.max_tokens,
+        max_tokens=max(left, 0),
         thinking=thinking,
+        **({"starts": continued + 1, "answer_tokens_so_far": len(already)} if continued else {}),
         **({"messages": request.model_dump()["messages"]} if settings.log_content else {}),
     )
 
@@ -216,9 +266,9 @@ async def run_chat(
     completion_tokens = 0
     first_token_s: float | None = None
     last_tokens_s: float | None = None
-    finish_reason = "abort"
+    finish_reason = "abort" if left > 0 else "length"
     # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
-    outputs = engine.generate(prompt, params, publisher.job_id)
+    outputs = engine.generate(prompt, params, publisher.job_id) if params else _nothing()
     async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
         async for output in outputs:
             completion = output.outputs[0]
@@ -260,7 +310,11 @@ async def run_chat(
         ttft_ms=_ms_since(enqueued_s, first_token_s) if first_token_s else None,
         total_ms=_ms_since(enqueued_s, finished_s),
     )
-    usage = Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens)
+    # A continued answer counts the tokens of the text it already had (re-encoded: the
+    # dead worker's own count died with it) and reports the chat's prompt alone.
+    usage = Usage(
+        prompt_tokens=len(chat_prompt), completion_tokens=len(already) + completion_tokens
+    )
     reasoning = splitter.reasoning if request.return_reasoning and thinking else None
     done = await publisher.publish_done(
         finish_reason=finish_reason,
@@ -269,8 +323,9 @@ async def run_chat(
         reasoning=reasoning,
         tool_calls=tool_calls,
         logprobs=logprobs,
+        continued=continued or None,
     )
-    text = "".join(answer)
+    text = streamed + "".join(answer)  # the whole answer, a continued one's earlier part too
     log.info(
         "job_done",
         finish_reason=finish_reason,
@@ -281,6 +336,28 @@ async def run_chat(
         **({"text": text} if settings.log_content else {}),
     )
     return ChatResult.from_done(done, text)
+
+
+def refuse_continuation(request: ChatRequest, streamed: str) -> None:
+    """Raise JobRefused(worker_lost) for a handed-over job that must not be continued."""
+    if request.on_worker_lost == "fail":
+        raise JobRefused(
+            ErrorCode.WORKER_LOST,
+            "the worker running this job stopped before it finished; it was not continued "
+            "because the request asked for on_worker_lost=fail; it is safe to submit it again",
+        )
+    if streamed and (request.constrained or request.logprobs):
+        raise JobRefused(
+            ErrorCode.WORKER_LOST,
+            "the worker running this job stopped mid-answer, and an answer held to a format "
+            "or with logprobs cannot be continued from the middle; it is safe to submit it again",
+        )
+
+
+async def _nothing() -> AsyncGenerator[RequestOutput, None]:
+    """No outputs: a continued answer that had already used its max_tokens."""
+    return
+    yield
 
 
 async def _refusing_invalid(

@@ -17,7 +17,9 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
   it first takes what it can hold, the next one takes the rest, and no job is taken twice.
   The same step writes each job's lease (on Redis's clock, core/leases.py), so a job is never
   taken without one: a worker that dies, or loses Redis, right after its claim still leaves
-  jobs that anyone can declare lost.
+  jobs that anyone can hand over; and it keeps the job's payload for as long as the job may
+  run (its queue deadline no longer applies once it started), so a worker continuing the job
+  after a crash still finds the request.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ import asyncio
 import logging
 from typing import Any
 
-import redis.exceptions
 from arq.connections import log_redis_info
 from arq.utils import timestamp_ms
 from arq.worker import Worker
 from redis.asyncio import Redis
 
-from edgeq.core.keys import in_progress_key, leases_key, wake_channel
+from edgeq.core.connection import REDIS_ERRORS
+from edgeq.core.keys import in_progress_key, job_key, leases_key, wake_channel
 from edgeq.core.leases import lease_expiry_lua
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
@@ -40,20 +42,22 @@ IDLE_WAIT_S = 1.0
 # After a Redis error while waiting, pause this long before trying again.
 WAIT_RETRY_S = 0.5
 
-# KEYS: the queue, the queue's leases, then arq's in-progress key of each candidate; ARGV:
-# now (ms), how many to take, the in-progress TTL (ms), the lease TTL (ms), then the
-# candidates' ids. Returns id, score, id, score, ...
+# KEYS: the queue, the queue's leases, then arq's in-progress key of each candidate, then each
+# candidate's payload key; ARGV: now (ms), how many to take, the in-progress TTL (ms), the
+# lease TTL (ms), then the candidates' ids. Returns id, score, id, score, ...
 _CLAIM = (
     lease_expiry_lua("ARGV[4]")
     + """
 local now, wanted, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local candidates = (#KEYS - 2) / 2
 local claimed = {}
-for i = 3, #KEYS do
+for i = 1, candidates do
   if #claimed >= 2 * wanted then break end
-  local job_id = ARGV[i + 2]
+  local job_id = ARGV[i + 4]
   local score = redis.call('ZSCORE', KEYS[1], job_id)
-  if score and tonumber(score) <= now and redis.call('SET', KEYS[i], '1', 'NX', 'PX', ttl) then
+  if score and tonumber(score) <= now and redis.call('SET', KEYS[2 + i], '1', 'NX', 'PX', ttl) then
     redis.call('ZADD', KEYS[2], expiry, job_id)
+    redis.call('PEXPIRE', KEYS[2 + candidates + i], ttl)
     claimed[#claimed + 1] = job_id
     claimed[#claimed + 1] = score
   end
@@ -63,7 +67,6 @@ return claimed
 )
 
 arq_logger = logging.getLogger("arq.worker")
-_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 async def claim_due_jobs(
@@ -82,7 +85,12 @@ async def claim_due_jobs(
     for ``lease_ttl_ms`` from Redis's clock. Returns (id, score) pairs."""
     claim = redis.register_script(_CLAIM)
     claimed = await claim(
-        keys=[queue, leases_key(queue), *(in_progress_key(job_id) for job_id in job_ids)],
+        keys=[
+            queue,
+            leases_key(queue),
+            *(in_progress_key(job_id) for job_id in job_ids),
+            *(job_key(job_id) for job_id in job_ids),
+        ],
         args=[now_ms, wanted, ttl_ms, lease_ttl_ms, *job_ids],
     )
     return [
@@ -126,7 +134,7 @@ class FastPickupWorker(Worker):
                 self._wake = self.pool.pubsub(ignore_subscribe_messages=True)
                 await self._wake.subscribe(wake_channel(self.queue_name))
             await self._wake.get_message(timeout=wait_s)
-        except _REDIS_ERRORS:
+        except REDIS_ERRORS:
             wake, self._wake = self._wake, None
             if wake is not None:
                 await wake.aclose()
@@ -162,6 +170,6 @@ class FastPickupWorker(Worker):
         if self._wake is not None:
             try:
                 await self._wake.aclose()
-            except _REDIS_ERRORS:
+            except REDIS_ERRORS:
                 pass
         await super().close()

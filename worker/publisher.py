@@ -1,19 +1,36 @@
 """Publishing one job's stream: the first text at once, later text coalesced to at most one
-delta per interval, and one terminal event. Redis assigns ``seq`` and refuses anything after
-a terminal event (core/events.py), so a job cancelled or declared lost by someone else
-learns it at its next publish (StreamClosed) and stops."""
+delta per interval, and one terminal event.
+
+The publisher numbers its events itself and Redis stores each at that ``seq`` or refuses it
+(core/events.py), which makes every append safe to repeat. So a Redis that goes away does not
+end the chat: generation goes on, the events wait here in order, and they are sent again
+until Redis is back (a restart, a failover) — those it already had are not stored twice, and
+those it lost are sent again. Only an outage longer than ``outage_limit_s`` (the lease: by
+then a client has declared the job lost) stops the job, with ``RedisAway``. Redis refuses
+anything after a terminal event, so a job cancelled or declared lost by someone else learns it
+at its next publish (StreamClosed) and stops.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
+from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
-from edgeq.core.events import EventLog, Published
+from edgeq.core.events import AnyEvent, EventLog, EventsLost, Published
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.core.structured import TokenLogprob, ToolCall
 
-__all__ = ["StreamClosed", "StreamPublisher"]
+__all__ = ["RedisAway", "StreamClosed", "StreamPublisher"]
+
+#: While Redis is away, how often the events waiting here are offered again.
+RETRY_INTERVAL_S = 0.25
+
+
+class RedisAway(Exception):
+    """Redis stayed unreachable longer than the publisher's outage limit."""
 
 
 class StreamPublisher:
@@ -23,16 +40,30 @@ class StreamPublisher:
         job_id: str,
         *,
         interval_s: float,
+        outage_limit_s: float = 10.0,
+        earlier: list[AnyEvent] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job_id = job_id
         self._log = log
         self._interval_s = interval_s
+        self._outage_limit_s = outage_limit_s
         self._clock = clock
         self._pending: list[str] = []
         self._last_flush: float | None = None
         self._last_heard = clock()
+        # ``earlier``: the events of the runs before this one (a continued job).
+        self._stored: list[AnyEvent] = list(earlier or ())  # kept to refill a Redis that lost them
+        self._next_seq = len(self._stored)
+        self._unconfirmed: list[AnyEvent] = []  # numbered, not yet confirmed stored
+        self._away_since: float | None = None
+        self._retry_at = float("-inf")
         self.closed = False
+
+    @property
+    def redis_away_s(self) -> float:
+        """How long Redis has refused this job's events (0 while it takes them)."""
+        return 0.0 if self._away_since is None else self._clock() - self._away_since
 
     @property
     def unheard_for_s(self) -> float:
@@ -49,7 +80,9 @@ class StreamPublisher:
         now = self._clock()
         if self._last_flush is None or now - self._last_flush >= self._interval_s:
             self._last_flush = now
-            self._heard(await self._append([self._take_delta()]))
+            self._number([self._take_delta()])
+            if now >= self._retry_at:
+                await self._send(must_land=False)
 
     async def publish_done(
         self,
@@ -60,6 +93,7 @@ class StreamPublisher:
         reasoning: str | None = None,
         tool_calls: list[ToolCall] | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        continued: int | None = None,
     ) -> DoneEvent:
         """Flush what is pending, then end the stream with ``done``."""
         done = DoneEvent(
@@ -71,6 +105,7 @@ class StreamPublisher:
             reasoning=reasoning,
             tool_calls=tool_calls,
             logprobs=logprobs,
+            continued=continued,
         )
         return await self._publish_terminal(done)
 
@@ -88,21 +123,52 @@ class StreamPublisher:
         if any(item.listeners for item in published):
             self._last_heard = self._clock()
 
-    async def _append(self, events: list[DeltaEvent | DoneEvent | ErrorEvent]) -> list[Published]:
-        try:
-            return await self._log.append_many(events)
-        except StreamClosed:
-            self.closed = True
-            raise
+    def _number(self, events: list[AnyEvent]) -> None:
+        for event in events:
+            self._unconfirmed.append(event.model_copy(update={"seq": self._next_seq}))
+            self._next_seq += 1
+
+    async def _send(self, *, must_land: bool) -> list[Published]:
+        """Store the unconfirmed events, in order. Redis away: keep them and return [] (or,
+        ``must_land``, try again until it is back); beyond the outage limit, RedisAway."""
+        while True:
+            try:
+                published = await self._log.append_many(self._unconfirmed, at_seq=True)
+            except StreamClosed:
+                self.closed = True
+                raise
+            except EventsLost as lost:  # Redis came back without some: send them again
+                self._unconfirmed[:0] = self._stored[lost.kept :]
+                del self._stored[lost.kept :]
+                continue
+            except REDIS_ERRORS as error:
+                now = self._clock()
+                self._away_since = now if self._away_since is None else self._away_since
+                if now - self._away_since > self._outage_limit_s:
+                    raise RedisAway(
+                        f"Redis refused this job's events for {now - self._away_since:.1f} s "
+                        f"(longer than the lease, EDGEQ_LEASE_TTL_S): {error}"
+                    ) from None
+                self._retry_at = now + RETRY_INTERVAL_S
+                if not must_land:
+                    return []
+                await asyncio.sleep(RETRY_INTERVAL_S)
+                continue
+            self._away_since = None
+            self._stored += self._unconfirmed
+            self._unconfirmed = []
+            self._heard(published)
+            return published
 
     async def _publish_terminal(self, terminal: DoneEvent | ErrorEvent) -> DoneEvent | ErrorEvent:
         if self.closed:
             raise StreamClosed(self.job_id)
-        events: list[DeltaEvent | DoneEvent | ErrorEvent] = []
+        events: list[AnyEvent] = []
         if self._pending:
             events.append(self._take_delta())
         events.append(terminal)
-        # One round trip for the tail of the stream, in order.
-        published = await self._append(events)
+        self._number(events)
+        # One round trip for the tail of the stream (and whatever an outage held back), in order.
+        published = await self._send(must_land=True)
         self.closed = True
         return terminal.model_copy(update={"seq": published[-1].seq})

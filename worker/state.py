@@ -36,6 +36,9 @@ class WorkerState:
     started_at: float
     #: Ids of the jobs running now: their leases are renewed, their count is reported.
     running: set[str] = field(default_factory=set)
+    #: Jobs whose stream another run of them took (this worker was thought dead and the job
+    #: was handed over): their keys are that run's to clean up, not this one's.
+    superseded: set[str] = field(default_factory=set)
     #: Set on SIGTERM: jobs cut short by the drain end with ``shutdown``, not ``cancelled``.
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set by arq's on_startup once the engine is built and warm; cleared on shutdown.

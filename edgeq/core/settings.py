@@ -81,10 +81,21 @@ class ConnectionSettings(BaseSettings):
     replay_ttl_s: float = Field(
         600.0, gt=0, description="How long a job's events stay readable for attach/watch."
     )
+    max_continuations: int = Field(
+        2,
+        ge=0,
+        description=(
+            "How often a chat whose worker died is continued by another worker (or the same "
+            "one restarted) before it ends with `worker_lost`; 0: never continued."
+        ),
+    )
     lease_ttl_s: float = Field(
         10.0,
         gt=0,
-        description="A running job whose worker is silent this long ends with `worker_lost`.",
+        description=(
+            "A running job whose worker is silent this long is handed to another worker to "
+            "continue (EDGEQ_MAX_CONTINUATIONS), else it ends with `worker_lost`."
+        ),
     )
     max_request_bytes: int = Field(
         1_000_000, ge=1024, description="Largest request payload accepted, in bytes."

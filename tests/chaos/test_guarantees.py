@@ -8,8 +8,10 @@ import asyncio
 import os
 import pickle
 import signal
+import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
+from edgeq.core.events import finished_with
 from edgeq.core.keys import leases_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.engine
 PASSWORD = "s3cret-pw"
 ACL_USER, ACL_PASSWORD = "edgeq", "acl-pw"
 LEASE_TTL_S = 2.0
+BUSY_LEASE_TTL_S = 5.0  # with two engines busy on the two cores
 DRAIN_TIMEOUT_S = 30.0
 LONG = 300  # tokens: long enough to be mid-stream when something happens
 # An engine process must not outlive its killed worker by more than this.
@@ -59,12 +63,7 @@ def acl_url(server: RedisServer) -> str:
 
 
 def start_worker(tiny_model: Path, url: str, log_dir: Path, name: str) -> WorkerProcess:
-    env = engine_env(tiny_model, url, "edgeq:chaos") | {
-        "EDGEQ_LEASE_TTL_S": str(LEASE_TTL_S),
-        "EDGEQ_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
-    }
-    worker = WorkerProcess(env, log_dir / f"{name}.log").start()
-    worker.wait_ready()
+    [worker] = start_workers(tiny_model, url, log_dir, name)
     return worker
 
 
@@ -123,48 +122,218 @@ async def test_sigterm_lets_twenty_running_chats_finish(
     FIGURES["drain: 20 running chats finished after SIGTERM in (s)"] = round(drained_s, 2)
 
 
-async def test_sigkill_mid_stream_ends_with_worker_lost_and_a_new_worker_serves(
-    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
-) -> None:
-    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "killed")
-    job = await chaos_client.submit("doomed", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-    seen, stream = await first_delta(job)
+def start_workers(
+    tiny_model: Path, url: str, log_dir: Path, *names: str, **env: str
+) -> list[WorkerProcess]:
+    """Workers started side by side (their engines load at the same time), all ready."""
+    base = engine_env(tiny_model, url, "edgeq:chaos") | {
+        "EDGEQ_LEASE_TTL_S": str(LEASE_TTL_S),
+        "EDGEQ_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
+        "PYTHONUNBUFFERED": "1",  # the tests read the logs live: which worker runs which job
+    }
+    workers = [WorkerProcess(base | env, log_dir / f"{name}.log").start() for name in names]
+    try:
+        for worker in workers:
+            worker.wait_ready()
+    except BaseException:
+        for worker in workers:
+            worker.stop(signal.SIGKILL)
+        raise
+    return workers
+
+
+def runs_by_worker(workers: list[WorkerProcess], job_ids: set[str]) -> dict[str, WorkerProcess]:
+    """Which worker (last) started or continued each of ``job_ids``, from their logs."""
+    owners: dict[str, WorkerProcess] = {}
+    for worker in workers:
+        for event in worker.log_events():
+            if (
+                event.get("event") in ("job_started", "job_continued")
+                and event.get("job_id") in job_ids
+            ):
+                owners[str(event["job_id"])] = worker
+    return owners
+
+
+async def kill_and_check_engine_dies(worker: WorkerProcess, *, bounded: bool = True) -> float:
+    """SIGKILL to the worker's pid alone, as an OOM kill or `kill -9` would: no code runs in
+    the worker, and nobody kills its process tree for it. Its processes must all die, within
+    ENGINE_DEATH_S when ``bounded`` (a process with gigabytes mapped takes a while to exit: on
+    two cores shared with a second busy engine that took 3.6-8.6 s, so there it is measured
+    only). Returns when the kill was."""
     engine = psutil.Process(worker.process.pid).children(recursive=True)
     assert any(p.name().startswith("VLLM::") for p in engine), [p.name() for p in engine]
-    # SIGKILL to the worker's pid alone, as an OOM kill or `kill -9` would: no code runs in
-    # the worker (no goodbye event), and nobody kills its process tree for it.
     worker.process.kill()
     killed = time.monotonic()
     try:
-        _, alive = await asyncio.to_thread(psutil.wait_procs, engine, ENGINE_DEATH_S)
-        engine_gone_s = time.monotonic() - killed
+        # Waited for longer than the bound, so that a miss says by how much.
+        deaths: dict[str, float] = {}
+
+        def died(process: psutil.Process) -> None:
+            deaths[f"{names[process.pid]} {process.pid}"] = round(time.monotonic() - killed, 2)
+
+        names = {process.pid: process.name() for process in engine}
+        _, alive = await asyncio.to_thread(
+            psutil.wait_procs, engine, 6 * ENGINE_DEATH_S, callback=died
+        )
+        gone_s = time.monotonic() - killed
         assert not alive, f"engine processes outlived the worker: {[p.name() for p in alive]}"
+        figure = "SIGKILL of the worker's pid -> its processes gone after (s)"
+        if not bounded:
+            figure += ", a second engine busy beside it"
+        FIGURES.setdefault(figure, [])
+        FIGURES[figure].append(round(gone_s, 2))  # type: ignore[attr-defined]
+        assert not bounded or gone_s < ENGINE_DEATH_S, f"took {gone_s:.1f} s: {deaths}"
     finally:
         worker.stop(signal.SIGKILL)  # reaps it; and the whole tree, should the test fail
-    FIGURES["SIGKILL of the worker's pid -> its engine processes gone after (s)"] = round(
-        engine_gone_s, 2
-    )
-    rest = [event async for event in stream]
-    noticed_s = time.monotonic() - killed
+    return killed
 
-    terminal = rest[-1]
-    assert isinstance(terminal, ErrorEvent) and terminal.code == "worker_lost"
-    assert "safe to submit it again" in terminal.message
-    assert [e.seq for e in seen + rest] == list(range(len(seen + rest)))
-    assert noticed_s < LEASE_TTL_S + 3
-    FIGURES["SIGKILL mid-stream -> worker_lost after (s)"] = round(noticed_s, 2)
 
-    replacement = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "replacement")
+async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[str]) -> set[str]:
+    """Suspend the worker's engine processes, so its chats are provably still running when it
+    is killed, however fast this machine is; returns those of ``job_ids`` not ended by then."""
+    for process in psutil.Process(worker.process.pid).children(recursive=True):
+        if process.name().startswith("VLLM::"):  # not multiprocessing's resource tracker
+            process.suspend()
+    await asyncio.sleep(0.2)  # whatever the worker was sending lands
+    return {job_id for job_id in job_ids if await finished_with(redis, job_id) is None}
+
+
+async def follow(stream, seen: list[StreamEvent]) -> None:
+    """Read the rest of a stream into ``seen``."""
+    async for event in stream:
+        seen.append(event)
+
+
+def continued_at(worker: WorkerProcess, job_ids: set[str]) -> dict[str, float]:
+    """When ``worker`` logged taking over each of ``job_ids`` (Unix time)."""
+    return {
+        str(event["job_id"]): datetime.fromisoformat(str(event["timestamp"])).timestamp()
+        for event in worker.log_events()
+        if event.get("event") == "job_continued" and event.get("job_id") in job_ids
+    }
+
+
+async def wait_for_takeover(worker: WorkerProcess, job_id: str, timeout_s: float = 90) -> None:
+    async with asyncio.timeout(timeout_s):
+        while job_id not in continued_at(worker, {job_id}):  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+
+
+def assert_whole(events: list[StreamEvent]) -> DoneEvent:
+    assert [event.seq for event in events] == list(range(len(events)))  # no gap, no repeat
+    done = events[-1]
+    assert isinstance(done, DoneEvent), done
+    assert sum(isinstance(event, DoneEvent | ErrorEvent) for event in events) == 1
+    assert 0 < done.usage.completion_tokens <= LONG
+    return done
+
+
+async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
+    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+) -> None:
+    url = acl_url(auth_redis)
+    # Two busy engines on two cores stall an event loop for seconds at times: a lease this
+    # long is not mistaken for a death (one that is still ends well: the runs share one
+    # stream, the slower one stops), and a kill is still noticed within it.
+    lease = {"EDGEQ_LEASE_TTL_S": str(BUSY_LEASE_TTL_S)}
+    workers = start_workers(tiny_model, url, tmp_path, "first", "second", **lease)
+    replacement: WorkerProcess | None = None
     try:
-        assert (await chaos_client.chat("after the crash", max_tokens=4)).usage.completion_tokens
-        # The lost job is never re-run: its stream still ends with that one worker_lost.
-        events = [e async for e in (await chaos_client.attach(job.job_id)).stream()]
-        assert events[-1].type == "error" and events[-1].seq == terminal.seq
+        jobs = [
+            await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            for i in range(20)
+        ]
+        streams = [job.stream() for job in jobs]
+        seen = [[await anext(stream)] for stream in streams]  # all 20 are generating
+        owners = runs_by_worker(workers, {job.job_id for job in jobs})
+        victim = max(workers, key=lambda w: sum(owner is w for owner in owners.values()))
+        survivor = next(worker for worker in workers if worker is not victim)
+        ran = {job_id for job_id, owner in owners.items() if owner is victim}
+        moved = await freeze_mid_stream(victim, chaos_client.redis, ran)
+        assert moved, "the victim was running none of the chats"
+
+        killed_at = time.time()
+        await kill_and_check_engine_dies(victim, bounded=False)
+        await asyncio.wait_for(
+            asyncio.gather(*(follow(stream, events)
+                             for stream, events in zip(streams, seen, strict=True))),
+            timeout=120,
+        )  # fmt: skip
+        prefills = []
+        for job, events in zip(jobs, seen, strict=True):
+            done = assert_whole(events)
+            if job.job_id in moved:
+                assert done.continued, done
+                # The continuing run's own start -> first token: its prefill.
+                prefills.append(done.timings.ttft_ms - done.timings.queued_ms)
+        taken = continued_at(survivor, moved)
+        assert set(taken) == moved
+        waits = [at - killed_at for at in taken.values()]
+        assert max(waits) < BUSY_LEASE_TTL_S + 5
+        FIGURES[
+            f"SIGKILL, second worker alive: {len(moved)} chats continued; kill -> taken over (s)"
+        ] = f"median {statistics.median(waits):.2f}, max {max(waits):.2f}"
+        FIGURES["continued run: start -> first new token, prompt + answer so far (ms)"] = (
+            f"median {statistics.median(prefills):.0f}, max {max(prefills):.0f}"
+        )
+
+        # The only worker killed: the chats wait, and a worker started afterwards (its engine
+        # takes ~30 s to load: longer than a systemd restart delay) continues them.
+        later = [
+            await chaos_client.submit(f"alone {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            for i in range(3)
+        ]
+        later_streams = [job.stream() for job in later]
+        later_seen = [[await anext(stream)] for stream in later_streams]
+        later_ids = {job.job_id for job in later}
+        assert await freeze_mid_stream(survivor, chaos_client.redis, later_ids) == later_ids
+        await kill_and_check_engine_dies(survivor)
+        [replacement] = start_workers(tiny_model, url, tmp_path, "replacement", **lease)
+        await asyncio.wait_for(
+            asyncio.gather(*(follow(stream, events)
+                             for stream, events in zip(later_streams, later_seen, strict=True))),
+            timeout=120,
+        )  # fmt: skip
+        for events in later_seen:
+            assert assert_whole(events).continued
+        assert (await chaos_client.chat("after the crashes", max_tokens=4)).usage
     finally:
-        replacement.stop()
+        for worker in [*workers, *([replacement] if replacement else [])]:
+            worker.stop(signal.SIGKILL)
 
 
-async def test_redis_restart_under_load_every_accepted_job_ends_with_a_terminal_event(
+async def test_a_chat_that_kills_every_worker_ends_worker_lost_after_the_limit(
+    tiny_model: Path, auth_redis: RedisServer, tmp_path: Path
+) -> None:
+    url = acl_url(auth_redis)
+    workers = start_workers(tiny_model, url, tmp_path, "p", "q", EDGEQ_MAX_CONTINUATIONS="1")
+    try:
+        async with ChatClient(
+            redis_url=url, queue="edgeq:chaos", lease_ttl_s=LEASE_TTL_S, max_continuations=1
+        ) as client:
+            job = await client.submit("poison", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            stream = job.stream()
+            events = [await anext(stream)]
+            reader = asyncio.create_task(follow(stream, events))
+            [first] = runs_by_worker(workers, {job.job_id}).values()
+            [second] = [worker for worker in workers if worker is not first]
+            assert await freeze_mid_stream(first, client.redis, {job.job_id})
+            await kill_and_check_engine_dies(first)
+            await wait_for_takeover(second, job.job_id)  # continued once: the limit
+            assert await freeze_mid_stream(second, client.redis, {job.job_id})
+            await kill_and_check_engine_dies(second)
+            await asyncio.wait_for(reader, 60)
+            terminal = events[-1]
+            assert isinstance(terminal, ErrorEvent) and terminal.code == "worker_lost"
+            assert "EDGEQ_MAX_CONTINUATIONS" in terminal.message
+            assert [event.seq for event in events] == list(range(len(events)))
+    finally:
+        for worker in workers:
+            worker.stop(signal.SIGKILL)
+
+
+async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
     tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
 ) -> None:
     worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "redis-restart")
@@ -173,28 +342,35 @@ async def test_redis_restart_under_load_every_accepted_job_ends_with_a_terminal_
             await chaos_client.submit(f"load {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             for i in range(10)
         ]
-        await asyncio.sleep(0.3)  # the worker is generating for them now
+        streams = [job.stream() for job in jobs]
+        seen = [[await anext(stream)] for stream in streams]  # every chat is generating
         auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
         await asyncio.sleep(1.0)
         with pytest.raises(RedisUnavailable):  # producers get a clear error meanwhile
             await chaos_client.submit("while Redis is away", max_tokens=4)
         auth_redis.start()
+        back = time.monotonic()
 
-        async def outcome(job) -> str:
-            try:
-                await job.result()
-                return "done"
-            except JobFailed as failure:
-                return failure.code
+        async def rest(stream, events: list[StreamEvent]) -> float | None:
+            first_after: float | None = None
+            async for event in stream:
+                events.append(event)
+                first_after = first_after or time.monotonic()
+            return first_after
 
-        outcomes = await asyncio.wait_for(
-            asyncio.gather(*(outcome(job) for job in jobs)), timeout=90
+        firsts = await asyncio.wait_for(
+            asyncio.gather(
+                *(rest(stream, events) for stream, events in zip(streams, seen, strict=True))
+            ),
+            timeout=90,
         )
-        assert len(outcomes) == 10  # each ended with exactly one terminal event
-        assert set(outcomes) <= {"done", "worker_lost"}
-        FIGURES["Redis restart: outcomes of 10 running chats"] = {
-            code: outcomes.count(code) for code in sorted(set(outcomes))
-        }
+        for events in seen:
+            assert [event.type for event in events[-1:]] == ["done"], events[-1]
+            assert [event.seq for event in events] == list(range(len(events)))  # no gap, no repeat
+            assert events[-1].usage.completion_tokens == LONG  # every token generated, once
+        FIGURES["Redis restart: Redis back -> first event of each chat (ms), max"] = round(
+            (max(first for first in firsts if first is not None) - back) * 1000
+        )
         # The worker kept its warm engine through the outage.
         assert worker.process.poll() is None
         assert (await chaos_client.chat("after the restart", max_tokens=4)).usage
