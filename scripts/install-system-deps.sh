@@ -6,6 +6,8 @@ missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 # systemd-analyze, for tests/test_units.py (offline: systemd is not started).
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+# systemd-nspawn, for tests/box (a container that boots systemd: the units under a real PID 1).
+command -v systemd-nspawn >/dev/null || missing+=(systemd-container)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
