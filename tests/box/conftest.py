@@ -1,0 +1,124 @@
+"""Fixtures of the box tests: one booted container per module, with the bundles bound in.
+
+Booting needs root, ``systemd-nspawn`` (Debian: systemd-container, which
+scripts/install-system-deps.sh installs) and the overlay file system; without them the module
+is skipped with the reason. ``EDGEQ_BOX_TESTS=0`` skips it on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nspawn_box import Box, BoxError, why_not
+
+from edgeq.testing.tiny_model import make_tiny_model
+from helpers import FIGURES
+
+BOXES = Path("/var/tmp")
+BOX_PREFIX = "edgeq-box-"
+BUNDLES_INSIDE = "/root/bundles"
+UPGRADE_SUFFIX = "b2"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "box: boots systemd in a systemd-nspawn container (root; skipped where it cannot)",
+    )
+
+
+def _sweep_stale_boxes() -> None:
+    """Remove what an earlier run killed before its teardown left behind (its nspawn gone)."""
+    for directory in BOXES.glob(f"{BOX_PREFIX}*"):
+        pid_file = directory / "nspawn.pid"
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            continue  # still running: another run's
+        except (OSError, ValueError):
+            pass
+        root = str(directory / "root")
+        with open("/proc/self/mounts") as mounts:
+            if any(line.split()[1] == root for line in mounts):
+                subprocess.run(["umount", "--lazy", root], capture_output=True)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def box_python_version() -> str:
+    """The box's python3 (the container's is this machine's /usr/bin/python3)."""
+    return subprocess.run(
+        ["/usr/bin/python3", "-c", "import platform; print(platform.python_version())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+
+
+def box_wheelhouse(wheelhouse: Path, directory: Path) -> Path:
+    """The test wheelhouse (hard links), plus what the box's Python needs beyond it.
+
+    deploy/bundle.py resolves the wheelhouse for the Python that runs it (3.11.7 in this venv)
+    while the manifest only pins 3.11; redis-py needs async-timeout below 3.11.3, so on
+    Debian 12's python3 (3.11.2) the installed worker failed to import redis. Until the
+    bundle resolves for the box's Python, the box tests add that wheel."""
+    target = directory / "wheelhouse"
+    target.mkdir(parents=True)
+    for wheel in wheelhouse.glob("*.whl"):
+        os.link(wheel, target / wheel.name)
+    version = box_python_version()
+    if tuple(map(int, version.split(".")[:3])) < (3, 11, 3) and not list(
+        target.glob("async_timeout-*.whl")
+    ):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+             "--python-version", version, "-d", str(target), "async-timeout>=4.0.3"],
+            check=True, capture_output=True, timeout=300,
+        )  # fmt: skip
+    return target
+
+
+@pytest.fixture(scope="module")
+def box(wheelhouse: Path) -> Iterator[Box]:
+    """A booted container with ``box.bundles``: the v1 and v2 (``+b2``) CPU bundles with the
+    tiny model, unpacked, as paths inside it. Powered off and unmounted at the end, also when a
+    test or the boot fails."""
+    reason = "EDGEQ_BOX_TESTS=0" if os.environ.get("EDGEQ_BOX_TESTS") == "0" else why_not()
+    if reason:
+        pytest.skip(f"no booted systemd container: {reason}")
+    from test_packaging import build_bundle  # the bundle exactly as the packaging tests build
+
+    _sweep_stale_boxes()
+    directory = BOXES / f"{BOX_PREFIX}{uuid.uuid4().hex[:8]}"
+    bundles = directory / "bundles"
+    bundles.mkdir(parents=True)
+    started = time.monotonic()
+    try:
+        machine = Box.boot(directory, binds={bundles: BUNDLES_INSIDE})
+    except BoxError as error:
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.skip(f"no booted systemd container: {error}")
+    try:
+        # Built while the container boots.
+        model = make_tiny_model(directory / "model" / "tiny-qwen3").directory
+        wheels = box_wheelhouse(wheelhouse, directory)
+        built = {}
+        for name, suffix in (("v1", ()), ("v2", ("--version-suffix", UPGRADE_SUFFIX))):
+            top = build_bundle(bundles / name, model, wheels, *suffix)
+            built[name] = f"{BUNDLES_INSIDE}/{top.relative_to(bundles)}"
+        boot_s = machine.wait_running()
+        FIGURES["box: container booted, bundles built (s)"] = round(time.monotonic() - started, 1)
+        FIGURES["box: systemd in the container running after (s)"] = round(boot_s, 1)
+        version = machine.run("systemctl --version").stdout.split("\n", 1)[0]
+        FIGURES["box: systemd in the container"] = re.sub(r"\s*\(.*", "", version)
+        machine.bundles = built
+        yield machine
+    finally:
+        stopped = time.monotonic()
+        machine.poweroff()
+        FIGURES["box: powered off and unmounted in (s)"] = round(time.monotonic() - stopped, 1)
