@@ -169,7 +169,12 @@ async def test_failed_requests_are_counted_and_the_run_goes_on(
     # Prompts on both sides of the shared worker's context: the long ones end with
     # prompt_too_long, the others are answered, and the run reports both.
     workload = the_workload(
-        tiny_model, num_requests=6, input_len_min=440, input_len_max=600, max_tokens=4, seed=0
+        tiny_model,
+        num_requests=6,
+        input_len_min=TEST_MAX_MODEL_LEN - 80,
+        input_len_max=TEST_MAX_MODEL_LEN + 80,
+        max_tokens=4,
+        seed=0,
     )
     too_long = {r.index for r in workload.requests if r.prompt_tokens >= TEST_MAX_MODEL_LEN}
     assert 0 < len(too_long) < len(workload.requests), "the seed must draw both kinds"
