@@ -45,8 +45,9 @@ def make_redis(
     sockets: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_connect_timeout_s,
         "socket_timeout": settings.redis_socket_timeout_s,
-        "socket_keepalive": True,
     }
+    if not settings.redis_url.startswith("unix://"):  # a Unix socket has no TCP keepalive
+        sockets["socket_keepalive"] = True
     if not is_sentinel_url(settings.redis_url):
         if max_connections is None:
             pool = ConnectionPool.from_url(
