@@ -4,7 +4,8 @@ calls and logprobs.
 How each kind of answer is produced (README, "Structured output and tools"):
 
 - JSON formats, ``constraint``: the sampler is held to the grammar (xgrammar, compiled once
-  per distinct schema and cached by vLLM), so a finished answer parses.
+  per distinct schema and cached by vLLM), so a finished answer parses (JSON's strings get
+  the control characters xgrammar lets in escaped as they stream: ``JsonStringEscaper``).
 - ``tool_choice`` "required" or a named function: as vLLM's own server does, the answer is
   constrained to JSON — a list of ``{"name", "parameters"}`` objects, or the named
   function's arguments — and parsed into calls. Nothing streams as text.
