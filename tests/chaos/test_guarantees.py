@@ -189,14 +189,30 @@ async def kill_and_check_engine_dies(worker: WorkerProcess, *, bounded: bool = T
     return killed
 
 
+def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
+    """vLLM's processes of the worker (not multiprocessing's resource tracker)."""
+    children = psutil.Process(worker.process.pid).children(recursive=True)
+    return [process for process in children if process.name().startswith("VLLM::")]
+
+
+async def unfinished(redis: Redis, job_ids: set[str]) -> set[str]:
+    return {job_id for job_id in job_ids if await finished_with(redis, job_id) is None}
+
+
 async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[str]) -> set[str]:
     """Suspend the worker's engine processes, so its chats are provably still running when it
     is killed, however fast this machine is; returns those of ``job_ids`` not ended by then."""
-    for process in psutil.Process(worker.process.pid).children(recursive=True):
-        if process.name().startswith("VLLM::"):  # not multiprocessing's resource tracker
-            process.suspend()
+    for process in engine_of(worker):
+        process.suspend()
     await asyncio.sleep(0.2)  # whatever the worker was sending lands
-    return {job_id for job_id in job_ids if await finished_with(redis, job_id) is None}
+    return await unfinished(redis, job_ids)
+
+
+async def all_started(workers: list[WorkerProcess], job_ids: set[str]) -> dict[str, WorkerProcess]:
+    async with asyncio.timeout(60):
+        while len(owners := runs_by_worker(workers, job_ids)) < len(job_ids):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return owners
 
 
 async def follow(stream, seen: list[StreamEvent]) -> None:
@@ -244,14 +260,23 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
             await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             for i in range(20)
         ]
-        streams = [job.stream() for job in jobs]
-        seen = [[await anext(stream)] for stream in streams]  # all 20 are generating
-        owners = runs_by_worker(workers, {job.job_id for job in jobs})
-        victim = max(workers, key=lambda w: sum(owner is w for owner in owners.values()))
-        survivor = next(worker for worker in workers if worker is not victim)
-        ran = {job_id for job_id, owner in owners.items() if owner is victim}
-        moved = await freeze_mid_stream(victim, chaos_client.redis, ran)
+        owners = await all_started(workers, {job.job_id for job in jobs})
+        # Both engines frozen at once: nothing finishes while the victim is chosen, the one
+        # with the most chats still running; the other one goes on.
+        running = [
+            await freeze_mid_stream(
+                worker, chaos_client.redis, {j for j, owner in owners.items() if owner is worker}
+            )
+            for worker in workers
+        ]
+        most = max(range(len(workers)), key=lambda index: len(running[index]))
+        victim, survivor = workers[most], workers[1 - most]
+        for process in engine_of(survivor):
+            process.resume()
+        moved = running[most]
         assert moved, "the victim was running none of the chats"
+        streams = [job.stream() for job in jobs]  # read from the start: the replay buffer
+        seen: list[list[StreamEvent]] = [[] for _ in jobs]
 
         killed_at = time.time()
         await kill_and_check_engine_dies(victim, bounded=False)
@@ -284,10 +309,11 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
             await chaos_client.submit(f"alone {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             for i in range(3)
         ]
+        later_ids = set(await all_started([survivor], {job.job_id for job in later}))
+        stranded = await freeze_mid_stream(survivor, chaos_client.redis, later_ids)
+        assert stranded, "the only worker was running none of the chats"
         later_streams = [job.stream() for job in later]
-        later_seen = [[await anext(stream)] for stream in later_streams]
-        later_ids = {job.job_id for job in later}
-        assert await freeze_mid_stream(survivor, chaos_client.redis, later_ids) == later_ids
+        later_seen: list[list[StreamEvent]] = [[] for _ in later]
         await kill_and_check_engine_dies(survivor)
         [replacement] = start_workers(tiny_model, url, tmp_path, "replacement", **lease)
         await asyncio.wait_for(
@@ -295,8 +321,9 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
                              for stream, events in zip(later_streams, later_seen, strict=True))),
             timeout=120,
         )  # fmt: skip
-        for events in later_seen:
-            assert assert_whole(events).continued
+        for job, events in zip(later, later_seen, strict=True):
+            done = assert_whole(events)
+            assert done.continued or job.job_id not in stranded
         assert (await chaos_client.chat("after the crashes", max_tokens=4)).usage
     finally:
         for worker in [*workers, *([replacement] if replacement else [])]:
