@@ -74,13 +74,16 @@ class JobQueue:
     async def cancel(self, log: EventLog, job_id: str, reason: str) -> bool:
         """End a job with ``cancelled``. A queued job never starts; a running one stops at
         its next event (its worker finds the stream closed and aborts the engine request).
-        False if the job had already ended."""
-        try:
-            await log.append(ErrorEvent(job_id=job_id, seq=0, code="cancelled", message=reason))
-        except StreamClosed:
-            return False
+        False if the job had already ended.
+
+        The job leaves the queue before its stream ends, so whoever sees ``cancelled`` finds
+        its place in the queue free (a job that had ended is gone from the queue anyway)."""
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.zrem(self.name, job_id)
             pipe.delete(job_key(job_id))
             await pipe.execute()
+        try:
+            await log.append(ErrorEvent(job_id=job_id, seq=0, code="cancelled", message=reason))
+        except StreamClosed:
+            return False
         return True
