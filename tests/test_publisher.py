@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -11,7 +12,7 @@ from redis.asyncio.client import PubSub
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog, read_events
 from edgeq.core.keys import events_key, stream_channel
-from edgeq.core.protocol import DeltaEvent, Timings, Usage
+from edgeq.core.protocol import DeltaEvent, DoneEvent, Timings, Usage
 from edgeq.testing.processes import RedisServer
 from edgeq.worker.publisher import RedisAway, StreamPublisher
 
@@ -22,6 +23,28 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@pytest.fixture
+async def stoppable_redis() -> AsyncIterator[tuple[RedisServer, Redis]]:
+    """A Redis of the test's own, which it may stop and start (its data goes with it)."""
+    server = RedisServer().start()
+    redis = Redis.from_url(server.url)
+    try:
+        yield server, redis
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+def done_event(job_id: str, *, completion_tokens: int) -> DoneEvent:
+    return DoneEvent(
+        job_id=job_id,
+        seq=0,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=1, completion_tokens=completion_tokens),
+        timings=Timings(queued_ms=0, ttft_ms=1, total_ms=2),
+    )
 
 
 async def subscribed(redis: Redis, job_id: str) -> PubSub:
@@ -60,12 +83,7 @@ async def test_first_text_at_once_then_at_most_one_delta_per_interval(redis: Red
     await publisher.publish_text("")  # nothing to say is not an event
     clock.now += 0.001
     await publisher.publish_text("f")
-    await publisher.publish_done(
-        finish_reason="stop",
-        usage=Usage(prompt_tokens=1, completion_tokens=6),
-        timings=Timings(queued_ms=0, ttft_ms=1, total_ms=2),
-        reasoning=None,
-    )
+    await publisher.publish_done(done_event("p1", completion_tokens=6))
     tail = await received(pubsub)
     assert [(e["type"], e["seq"]) for e in tail] == [("delta", 2), ("done", 3)]
     assert tail[0]["text"] == "f"
@@ -164,59 +182,46 @@ async def test_events_redis_lost_are_sent_again_in_order(redis: Redis) -> None:
         clock.now += 0.1
     await redis.delete(events_key("p-lost"))  # a restart without persistence, a failover
     await publisher.publish_text("C")
-    timings = Timings(queued_ms=1, ttft_ms=2, total_ms=3)
-    await publisher.publish_done(
-        finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=3), timings=timings
-    )
+    await publisher.publish_done(done_event("p-lost", completion_tokens=3))
     events = await read_events(redis, "p-lost")
     assert [e.seq for e in events] == [0, 1, 2, 3]
     assert [getattr(e, "text", e.type) for e in events] == ["A", "B", "C", "done"]
 
 
-async def test_text_made_while_redis_is_away_lands_in_order_when_it_is_back() -> None:
-    server = RedisServer().start()
-    redis = Redis.from_url(server.url)
+async def test_text_made_while_redis_is_away_lands_in_order_when_it_is_back(
+    stoppable_redis: tuple[RedisServer, Redis],
+) -> None:
+    server, redis = stoppable_redis
     clock = FakeClock()
     publisher = StreamPublisher(
         EventLog(redis, replay_ttl_s=60), "p-away", interval_s=0.05, outage_limit_s=10, clock=clock
     )
-    try:
-        await publisher.publish_text("A")
-        server.stop()
-        for piece in ("B", "C", "D"):  # generation goes on: nothing raises
-            clock.now += 0.5
-            await publisher.publish_text(piece)
-        assert publisher.redis_away_s > 0
-        server.start()  # same port, its data gone: the publisher sends everything again
-        timings = Timings(queued_ms=1, ttft_ms=2, total_ms=3)
-        done = await publisher.publish_done(
-            finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=4),
-            timings=timings,
-        )  # fmt: skip
-        events = await read_events(redis, "p-away")
-        assert "".join(e.text for e in events[:-1]) == "ABCD"
-        assert [e.seq for e in events] == list(range(len(events))) and done.seq == events[-1].seq
-        assert publisher.redis_away_s == 0
-    finally:
-        await redis.aclose()
-        server.stop()
+    await publisher.publish_text("A")
+    server.stop()
+    for piece in ("B", "C", "D"):  # generation goes on: nothing raises
+        clock.now += 0.5
+        await publisher.publish_text(piece)
+    assert publisher.redis_away_s > 0
+    server.start()  # same port, its data gone: the publisher sends everything again
+    done = await publisher.publish_done(done_event("p-away", completion_tokens=4))
+    events = await read_events(redis, "p-away")
+    assert "".join(e.text for e in events[:-1]) == "ABCD"
+    assert [e.seq for e in events] == list(range(len(events))) and done.seq == events[-1].seq
+    assert publisher.redis_away_s == 0
 
 
-async def test_an_outage_longer_than_the_limit_stops_the_job() -> None:
-    server = RedisServer().start()
-    redis = Redis.from_url(server.url)
+async def test_an_outage_longer_than_the_limit_stops_the_job(
+    stoppable_redis: tuple[RedisServer, Redis],
+) -> None:
+    server, redis = stoppable_redis
     clock = FakeClock()
     publisher = StreamPublisher(
         EventLog(redis, replay_ttl_s=60), "p-gone", interval_s=0.05, outage_limit_s=2, clock=clock
     )
-    try:
-        await publisher.publish_text("A")
-        server.stop()
-        clock.now += 0.5
-        await publisher.publish_text("B")  # away 0 s: kept
-        clock.now += 3
-        with pytest.raises(RedisAway, match="EDGEQ_LEASE_TTL_S"):
-            await publisher.publish_text("C")
-    finally:
-        await redis.aclose()
-        server.stop()
+    await publisher.publish_text("A")
+    server.stop()
+    clock.now += 0.5
+    await publisher.publish_text("B")  # away 0 s: kept
+    clock.now += 3
+    with pytest.raises(RedisAway, match="EDGEQ_LEASE_TTL_S"):
+        await publisher.publish_text("C")

@@ -33,6 +33,7 @@ from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
     DeltaEvent,
+    DoneEvent,
     ErrorCode,
     Timings,
     Usage,
@@ -317,13 +318,17 @@ async def run_chat(
     )
     reasoning = splitter.reasoning if request.return_reasoning and thinking else None
     done = await publisher.publish_done(
-        finish_reason=finish_reason,
-        usage=usage,
-        timings=timings,
-        reasoning=reasoning,
-        tool_calls=tool_calls,
-        logprobs=logprobs,
-        continued=continued or None,
+        DoneEvent(
+            job_id=publisher.job_id,
+            seq=0,
+            finish_reason=finish_reason,
+            usage=usage,
+            timings=timings,
+            reasoning=reasoning,
+            tool_calls=tool_calls,
+            logprobs=logprobs,
+            continued=continued or None,
+        )
     )
     text = streamed + "".join(answer)  # the whole answer, a continued one's earlier part too
     log.info(

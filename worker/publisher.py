@@ -20,8 +20,7 @@ from collections.abc import Callable
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, EventLog, EventsLost, Published
-from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
-from edgeq.core.structured import TokenLogprob, ToolCall
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent
 
 __all__ = ["RedisAway", "StreamClosed", "StreamPublisher"]
 
@@ -84,29 +83,8 @@ class StreamPublisher:
             if now >= self._retry_at:
                 await self._send(must_land=False)
 
-    async def publish_done(
-        self,
-        *,
-        finish_reason: str,
-        usage: Usage,
-        timings: Timings,
-        reasoning: str | None = None,
-        tool_calls: list[ToolCall] | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-        continued: int | None = None,
-    ) -> DoneEvent:
-        """Flush what is pending, then end the stream with ``done``."""
-        done = DoneEvent(
-            job_id=self.job_id,
-            seq=0,
-            finish_reason=finish_reason,
-            usage=usage,
-            timings=timings,
-            reasoning=reasoning,
-            tool_calls=tool_calls,
-            logprobs=logprobs,
-            continued=continued,
-        )
+    async def publish_done(self, done: DoneEvent) -> DoneEvent:
+        """Flush what is pending, then end the stream with ``done`` (its ``seq`` is set here)."""
         return await self._publish_terminal(done)
 
     async def publish_error(self, code: str, message: str) -> ErrorEvent:
