@@ -25,7 +25,7 @@ from edgeq.deploy.bundle import build_edgeq_wheel, download_wheelhouse, extras_f
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess
 from edgeq.testing.tiny_model import make_tiny_model
-from helpers import FIGURES, engine_env
+from helpers import FIGURES, engine_env, ready_worker
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGEQ_TEST_WHEELHOUSE", Path.home() / ".cache/edgeq-test-wheelhouse"))
@@ -71,12 +71,8 @@ def worker(
     tiny_model: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
     env = engine_env(tiny_model, redis_server.url, "edgeq:test")
-    process = WorkerProcess(env, tmp_path_factory.mktemp("worker") / "worker.log").start()
-    try:
-        process.wait_ready()
+    with ready_worker(env, tmp_path_factory.mktemp("worker") / "worker.log") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from redis.asyncio import Redis
 from edgeq.core.keys import stream_channel
 from edgeq.core.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.testing.processes import (
+    WorkerProcess,
     free_port,
     redis_server_binary,
     stop_process,
@@ -49,6 +52,17 @@ def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:
         "EDGEQ_MAX_MODEL_LEN": str(TEST_MAX_MODEL_LEN),
         "EDGEQ_MAX_NUM_BATCHED_TOKENS": str(TEST_MAX_NUM_BATCHED_TOKENS),
     }
+
+
+@contextmanager
+def ready_worker(env: dict[str, str], log_path: Path) -> Iterator[WorkerProcess]:
+    """A worker process, warm and serving, stopped (with its engine) when the block ends."""
+    process = WorkerProcess(env, log_path).start()
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
 
 
 def arq_job_bytes(request: Any) -> bytes:

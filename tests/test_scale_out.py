@@ -23,7 +23,7 @@ from edgeq.core.errors import JobFailed
 from edgeq.core.protocol import ChatResult
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess
-from helpers import EDGEQ, FIGURES, FULL_LENGTH_SEEDS, SentinelServer, engine_env
+from helpers import EDGEQ, FIGURES, FULL_LENGTH_SEEDS, SentinelServer, engine_env, ready_worker
 
 pytestmark = pytest.mark.engine
 
@@ -46,12 +46,10 @@ def second_worker(
     directory = tmp_path_factory.mktemp("second-worker")
     sentinel = SentinelServer(master_port=redis_server.port, directory=directory).start()
     env = engine_env(tiny_model, sentinel.url(), worker.env["EDGEQ_QUEUE"])
-    process = WorkerProcess(env, directory / "worker.log").start()
     try:
-        process.wait_ready()
-        yield process
+        with ready_worker(env, directory / "worker.log") as process:
+            yield process
     finally:
-        process.stop()
         sentinel.stop()
 
 

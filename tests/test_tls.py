@@ -15,7 +15,7 @@ from edgeq import ChatClient, RedisUnavailable
 from edgeq.core.protocol import DeltaEvent, DoneEvent
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
 from edgeq.testing.tls import TlsFiles, make_ca, make_tls_files, rediss_url
-from helpers import EDGEQ, engine_env
+from helpers import EDGEQ, engine_env, ready_worker
 
 pytestmark = pytest.mark.engine
 
@@ -46,12 +46,8 @@ def tls_worker(
     tiny_model: Path, tls_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
     env = engine_env(tiny_model, tls_redis.url, QUEUE)
-    process = WorkerProcess(env, tmp_path_factory.mktemp("tls-worker") / "worker.log").start()
-    try:
-        process.wait_ready()
+    with ready_worker(env, tmp_path_factory.mktemp("tls-worker") / "worker.log") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture
