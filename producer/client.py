@@ -227,6 +227,7 @@ class ChatJob:
                     queue=settings.queue,
                     max_continuations=settings.max_continuations,
                     deadline_s=settings.queue_deadline_s,
+                    lease_ttl_s=settings.lease_ttl_s,
                 )
             elif await abandoned(client.redis, settings.queue, self.job_id):
                 await declare_lost(

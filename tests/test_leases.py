@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
@@ -20,6 +21,15 @@ from edgeq.core.leases import (
     renew_leases,
 )
 from edgeq.core.protocol import DeltaEvent, ErrorEvent
+from edgeq.testing.processes import RedisServer
+
+
+@pytest.fixture(autouse=True)
+async def redis_up_a_second(redis: Redis) -> None:
+    """Leases run out only once Redis has been up a lease TTL, counted in whole seconds; these
+    tests use sub-second TTLs."""
+    if (await redis.info("server"))["uptime_in_seconds"] < 1:
+        await asyncio.sleep(1.0)
 
 
 async def test_a_renewal_counts_from_when_redis_records_it_whatever_the_worker_clock(
@@ -45,7 +55,7 @@ async def test_only_a_job_whose_lease_ran_out_is_declared_lost(redis: Redis, que
 
     assert await lease_expired(redis, queue, "silent")
     assert not await lease_expired(redis, queue, "alive")
-    reap = {"queue": queue, "max_continuations": 0, "deadline_s": 60}
+    reap = {"queue": queue, "max_continuations": 0, "deadline_s": 60, "lease_ttl_s": 0.2}
     assert await reap_lost_jobs(redis, log, **reap) == {"silent": Handover.LOST}
     (event,) = await read_events(redis, "silent")
     assert isinstance(event, ErrorEvent) and event.code == "worker_lost"
@@ -70,8 +80,8 @@ async def test_a_lost_job_is_handed_over_once_for_another_worker_to_continue(
     log = EventLog(redis, replay_ttl_s=60, queue=queue)
     await started_job(redis, queue, "crashed", starts=1)
     outcomes = await asyncio.gather(  # a client and two workers notice at the same moment
-        *(hand_over(redis, log, "crashed", queue=queue, max_continuations=2, deadline_s=30)
-          for _ in range(3))
+        *(hand_over(redis, log, "crashed", queue=queue, max_continuations=2, deadline_s=30,
+                    lease_ttl_s=0.2) for _ in range(3))
     )  # fmt: skip
     assert sorted(outcomes) == [Handover.NOT_EXPIRED, Handover.NOT_EXPIRED, Handover.CONTINUED]
     assert not await redis.exists(in_progress_key("crashed"))  # any worker may claim it now
@@ -84,7 +94,9 @@ async def test_a_lost_job_is_handed_over_once_for_another_worker_to_continue(
 async def test_a_job_started_past_the_limit_ends_worker_lost(redis: Redis, queue: str) -> None:
     log = EventLog(redis, replay_ttl_s=60, queue=queue)
     await started_job(redis, queue, "poison", starts=3)
-    outcome = await hand_over(redis, log, "poison", queue=queue, max_continuations=2, deadline_s=30)
+    outcome = await hand_over(
+        redis, log, "poison", queue=queue, max_continuations=2, deadline_s=30, lease_ttl_s=0.2
+    )
     assert outcome is Handover.LOST
     (event,) = await read_events(redis, "poison")
     assert event.code == "worker_lost" and "started 3 times" in event.message
@@ -98,9 +110,51 @@ async def test_a_handed_over_job_nobody_took_before_its_deadline_is_abandoned(
     log = EventLog(redis, replay_ttl_s=60, queue=queue)
     await started_job(redis, queue, "orphan", starts=1)
     await log.append(DeltaEvent(job_id="orphan", seq=0, text="half an ans"))
-    await hand_over(redis, log, "orphan", queue=queue, max_continuations=2, deadline_s=0.2)
+    await hand_over(
+        redis, log, "orphan", queue=queue, max_continuations=2, deadline_s=0.2, lease_ttl_s=0.2
+    )
     assert not await abandoned(redis, queue, "orphan")  # waiting for a taker
     await asyncio.sleep(0.3)  # its payload expired: nobody can continue it any more
     assert await abandoned(redis, queue, "orphan")
     await log.append(ErrorEvent(job_id="orphan", seq=0, code="worker_lost", message="x"))
     assert not await abandoned(redis, queue, "orphan")  # ended: nothing left to do
+
+
+async def test_no_lease_runs_out_until_redis_has_been_up_a_lease_ttl(tmp_path: Path) -> None:
+    # Nobody can renew a lease while Redis is away, and Redis's clock goes on meanwhile: after
+    # a restart longer than the TTL, the live worker gets one TTL to renew before its chats
+    # would be handed over.
+    server = RedisServer(extra_args=("--appendonly", "yes", "--dir", str(tmp_path))).start()
+    try:
+        redis = Redis.from_url(server.url)
+        queue, log = "edgeq:restarted", EventLog(redis, replay_ttl_s=60, queue="edgeq:restarted")
+        await started_job(redis, queue, "running", starts=1)
+        await redis.aclose()
+        server.stop()  # its data is kept (append-only file)
+        server.start()
+        redis = Redis.from_url(server.url)
+        handover = {"queue": queue, "max_continuations": 2, "deadline_s": 30}
+        assert await lease_expired(redis, queue, "running")  # expired in 1970, by the clock
+        outcome = await hand_over(redis, log, "running", lease_ttl_s=2, **handover)
+        assert outcome is Handover.NOT_EXPIRED  # Redis was up for less than the TTL
+        assert await redis.exists(in_progress_key("running"))  # its worker still owns it
+        await asyncio.sleep(2.1)
+        outcome = await hand_over(redis, log, "running", lease_ttl_s=2, **handover)
+        assert outcome is Handover.CONTINUED  # one TTL up and still not renewed: its worker died
+        await redis.aclose()
+    finally:
+        server.stop()
+
+
+async def test_a_job_whose_request_is_gone_ends_worker_lost_saying_so(
+    redis: Redis, queue: str
+) -> None:
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await started_job(redis, queue, "forgotten", starts=1)
+    await redis.delete(job_key("forgotten"))
+    outcome = await hand_over(
+        redis, log, "forgotten", queue=queue, max_continuations=2, deadline_s=30, lease_ttl_s=0.2
+    )
+    assert outcome is Handover.LOST_REQUEST
+    (event,) = await read_events(redis, "forgotten")
+    assert event.code == "worker_lost" and "request is no longer in Redis" in event.message

@@ -223,5 +223,5 @@ async def test_an_outage_longer_than_the_limit_stops_the_job(
     clock.now += 0.5
     await publisher.publish_text("B")  # away 0 s: kept
     clock.now += 3
-    with pytest.raises(RedisAway, match="EDGEQ_LEASE_TTL_S"):
+    with pytest.raises(RedisAway, match="EDGEQ_REDIS_OUTAGE_S"):
         await publisher.publish_text("C")

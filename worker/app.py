@@ -175,6 +175,7 @@ async def keep_alive(state: WorkerState) -> None:
                 queue=settings.queue,
                 max_continuations=settings.max_continuations,
                 deadline_s=settings.queue_deadline_s,
+                lease_ttl_s=settings.lease_ttl_s,
             )
             for job_id, outcome in handed.items():
                 log.warning(

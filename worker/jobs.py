@@ -100,7 +100,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         state.events,
         job_id,
         interval_s=settings.stream_interval_ms / 1000,
-        outage_limit_s=settings.lease_ttl_s,
+        outage_limit_s=settings.redis_outage_s,
         earlier=earlier,
     )
     state.running.add(job_id)
@@ -136,8 +136,8 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
             f"generation did not finish within {settings.job_timeout_s:g} s (EDGEQ_JOB_TIMEOUT_S)",
         )
     except RedisAway as away:
-        # Nothing can reach the stream; by now a client has found the lease expired and ended
-        # the stream with worker_lost, which is what the metrics count too.
+        # Nothing can reach the stream; when Redis is back, its lease runs out and the job is
+        # continued or ends with worker_lost, which is what the metrics count.
         log.warning("job_abandoned", reason=str(away))
         outcome = ErrorCode.WORKER_LOST.value
         return {"type": "error", "code": outcome, "message": str(away)}

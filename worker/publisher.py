@@ -5,8 +5,8 @@ The publisher numbers its events itself and Redis stores each at that ``seq`` or
 (core/events.py), which makes every append safe to repeat. So a Redis that goes away does not
 end the chat: generation goes on, the events wait here in order, and they are sent again
 until Redis is back (a restart, a failover) — those it already had are not stored twice, and
-those it lost are sent again. Only an outage longer than ``outage_limit_s`` (the lease: by
-then a client has declared the job lost) stops the job, with ``RedisAway``. Redis refuses
+those it lost are sent again. Only an outage longer than ``outage_limit_s``
+(``EDGEQ_REDIS_OUTAGE_S``) stops the job, with ``RedisAway``. Redis refuses
 anything after a terminal event, so a job cancelled or declared lost by someone else learns it
 at its next publish (StreamClosed) and stops.
 """
@@ -125,7 +125,7 @@ class StreamPublisher:
                 if now - self._away_since > self._outage_limit_s:
                     raise RedisAway(
                         f"Redis refused this job's events for {now - self._away_since:.1f} s "
-                        f"(longer than the lease, EDGEQ_LEASE_TTL_S): {error}"
+                        f"(longer than EDGEQ_REDIS_OUTAGE_S): {error}"
                     ) from None
                 self._retry_at = now + RETRY_INTERVAL_S
                 if not must_land:

@@ -106,6 +106,9 @@ class WorkerSettings(ConnectionSettings):
 
     # How the worker runs.
     job_timeout_s: float = Field(300.0, gt=0)
+    # How long a running chat rides out Redis being away (a restart, a failover) before the
+    # worker stops generating it; its lease cannot run out meanwhile (core/leases.py).
+    redis_outage_s: float = Field(60.0, gt=0)
     abandon_after_s: float = Field(30.0, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     keep_result_s: float = Field(60.0, ge=0)

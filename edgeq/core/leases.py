@@ -54,34 +54,40 @@ end
 )
 
 
+# A lease can only run out while Redis is up: nobody can renew one while Redis is away, and
+# Redis's clock goes on meanwhile. So until Redis has been up for one lease TTL (whole seconds
+# of INFO's uptime, rounded down: never early), no lease counts as run out; a live worker
+# renews its leases within a quarter TTL of Redis coming back, however long Redis was away.
+#
 # KEYS: the queue's leases, the queue, the job's in-progress, payload, terminal and start-count
 # keys; ARGV: job id, continuations allowed, how long the payload waits for a taker (ms), the
-# queue's wake channel. 0: the lease is not expired (or gone: someone acted), 1: handed over,
-# 2: to end with worker_lost.
+# queue's wake channel, the lease TTL (ms). Returns a Handover.
 _HAND_OVER = (
     lease_expiry_lua("0")
     + """
 local leased_until = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not leased_until or tonumber(leased_until) >= expiry then return 0 end
+local up_s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+if up_s * 1000 < tonumber(ARGV[5]) then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
 if redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
-local starts = tonumber(redis.call('GET', KEYS[6]) or '0')
-if starts <= tonumber(ARGV[2]) and redis.call('EXISTS', KEYS[4]) == 1
-    and redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-  redis.call('DEL', KEYS[3])
-  redis.call('PEXPIRE', KEYS[4], ARGV[3])
-  redis.call('PUBLISH', ARGV[4], '')
-  return 1
+if tonumber(redis.call('GET', KEYS[6]) or '1') > tonumber(ARGV[2]) then return 2 end
+if redis.call('EXISTS', KEYS[4]) == 0 or not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  return 3
 end
-return 2
+redis.call('DEL', KEYS[3])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+redis.call('PUBLISH', ARGV[4], '')
+return 1
 """
 )
 
 
 class Handover(IntEnum):
-    NOT_EXPIRED = 0
-    CONTINUED = 1
-    LOST = 2
+    NOT_EXPIRED = 0  # not run out (or Redis up for less than a TTL), or someone else acted
+    CONTINUED = 1  # claimable again, to be continued
+    LOST = 2  # started EDGEQ_MAX_CONTINUATIONS + 1 times: ended with worker_lost
+    LOST_REQUEST = 3  # its request is no longer in Redis: ended with worker_lost
 
 
 async def redis_now_ms(redis: Redis) -> int:
@@ -151,6 +157,7 @@ async def hand_over(
     queue: str,
     max_continuations: int,
     deadline_s: float,
+    lease_ttl_s: float,
 ) -> Handover:
     """A job whose lease ran out: make it claimable again for a worker to continue within
     ``deadline_s``, or, once it was started ``max_continuations`` + 1 times (a prompt that
@@ -160,18 +167,30 @@ async def hand_over(
         leases_key(queue), queue, in_progress_key(job_id), job_key(job_id),
         terminal_key(job_id), retry_key(job_id),
     ]  # fmt: skip
-    args = [job_id, max_continuations, int(deadline_s * 1000), wake_channel(queue)]
+    args = [
+        job_id, max_continuations, int(deadline_s * 1000), wake_channel(queue),
+        int(lease_ttl_s * 1000),
+    ]  # fmt: skip
     outcome = Handover(int(await script(keys=keys, args=args)))
     if outcome is Handover.LOST:
         why = f"it was started {max_continuations + 1} times (EDGEQ_MAX_CONTINUATIONS)"
         if not max_continuations:
             why = "EDGEQ_MAX_CONTINUATIONS=0"
         await declare_lost(redis, log, job_id, queue=queue, why=why)
+    elif outcome is Handover.LOST_REQUEST:
+        why = "its request is no longer in Redis (expired, or Redis restarted without its data)"
+        await declare_lost(redis, log, job_id, queue=queue, why=why)
     return outcome
 
 
 async def reap_lost_jobs(
-    redis: Redis, log: EventLog, *, queue: str, max_continuations: int, deadline_s: float
+    redis: Redis,
+    log: EventLog,
+    *,
+    queue: str,
+    max_continuations: int,
+    deadline_s: float,
+    lease_ttl_s: float,
 ) -> dict[str, Handover]:
     """Hand over every job whose lease ran out; returns what became of each this call took."""
     expired = await redis.zrangebyscore(leases_key(queue), "-inf", await redis_now_ms(redis))
@@ -180,7 +199,7 @@ async def reap_lost_jobs(
         job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
         outcome = await hand_over(
             redis, log, job_id, queue=queue,
-            max_continuations=max_continuations, deadline_s=deadline_s,
+            max_continuations=max_continuations, deadline_s=deadline_s, lease_ttl_s=lease_ttl_s,
         )  # fmt: skip
         if outcome is not Handover.NOT_EXPIRED:
             outcomes[job_id] = outcome

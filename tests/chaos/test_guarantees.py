@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 
 from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
 from edgeq.core.events import finished_with
-from edgeq.core.keys import leases_key
+from edgeq.core.keys import in_progress_key, leases_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
@@ -361,48 +361,69 @@ async def test_a_chat_that_kills_every_worker_ends_worker_lost_after_the_limit(
 
 
 async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
-    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+    tiny_model: Path, auth_redis: RedisServer, tmp_path: Path
 ) -> None:
-    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "redis-restart")
+    lease_ttl_s = BUSY_LEASE_TTL_S  # a margin for the frozen worker below to renew in
+    worker = start_workers(
+        tiny_model, acl_url(auth_redis), tmp_path, "redis-restart",
+        EDGEQ_LEASE_TTL_S=str(lease_ttl_s),
+    )[0]  # fmt: skip
+    client = ChatClient(redis_url=acl_url(auth_redis), queue="edgeq:chaos", lease_ttl_s=lease_ttl_s)
+    rests: asyncio.Future[list[None]] | None = None
     try:
         jobs = [
-            await chaos_client.submit(f"load {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            await client.submit(f"load {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             for i in range(10)
         ]
         streams = [job.stream() for job in jobs]
         seen = [[await anext(stream)] for stream in streams]  # every chat is generating
+        # The worker stays frozen a while after Redis is back, so the waiting clients find every
+        # lease run out (on Redis's clock) before it can renew one: none may be handed over
+        # (the chats would be continued, or end worker_lost), as it was Redis that was away.
+        worker_process = psutil.Process(worker.process.pid)
         auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
-        await asyncio.sleep(1.0)
+        away = time.monotonic()
+        worker_process.suspend()
+        await asyncio.sleep(2 * lease_ttl_s)
         with pytest.raises(RedisUnavailable):  # producers get a clear error meanwhile
-            await chaos_client.submit("while Redis is away", max_tokens=4)
+            await client.submit("while Redis is away", max_tokens=4)
         auth_redis.start()
         back = time.monotonic()
+        FIGURES[f"Redis restart: Redis away for (s), lease TTL {lease_ttl_s:g} s"] = round(
+            back - away, 1
+        )
 
-        async def rest(stream, events: list[StreamEvent]) -> float | None:
-            first_after: float | None = None
+        async def rest(stream, events: list[StreamEvent]) -> None:
             async for event in stream:
                 events.append(event)
-                first_after = first_after or time.monotonic()
-            return first_after
 
-        firsts = await asyncio.wait_for(
-            asyncio.gather(
-                *(rest(stream, events) for stream, events in zip(streams, seen, strict=True))
-            ),
-            timeout=90,
+        rests = asyncio.gather(
+            *(rest(stream, events) for stream, events in zip(streams, seen, strict=True))
         )
+        await asyncio.sleep(lease_ttl_s / 2)  # the clients check the leases each second
+        for job in jobs:  # still its worker's: not made claimable for another to continue
+            assert await client.redis.exists(in_progress_key(job.job_id))
+        worker_process.resume()
+        resumed = time.monotonic()
+        await asyncio.wait_for(rests, timeout=90)
         for events in seen:
             assert [event.type for event in events[-1:]] == ["done"], events[-1]
             assert [event.seq for event in events] == list(range(len(events)))  # no gap, no repeat
             assert events[-1].usage.completion_tokens == LONG  # every token generated, once
-        FIGURES["Redis restart: Redis back -> first event of each chat (ms), max"] = round(
-            (max(first for first in firsts if first is not None) - back) * 1000
+            assert not events[-1].continued  # the same run finished it
+        FIGURES["Redis restart: worker thawed -> every chat done (s)"] = round(
+            time.monotonic() - resumed, 1
         )
         # The worker kept its warm engine through the outage.
         assert worker.process.poll() is None
-        assert (await chaos_client.chat("after the restart", max_tokens=4)).usage
+        assert (await client.chat("after the restart", max_tokens=4)).usage
     finally:
+        if rests is not None:
+            rests.cancel()
+        if worker.process is not None and psutil.pid_exists(worker.process.pid):
+            psutil.Process(worker.process.pid).resume()
         worker.stop()
+        await client.aclose()
 
 
 # --- against the shared worker ----------------------------------------------------------------
