@@ -12,15 +12,23 @@ rounds of each burst's p50 (with the rounds' min-max):
 - client TTFT: submit called -> first delta in hand.
 
 The worker's two figures are on the worker's clock from the job's enqueue time, the client's
-on the client's; both run on this machine. Prompts are 50-220 words, answers 256 tokens.
+on the client's; both run on this machine. Prompts are 50-220 words, answers ``--max-tokens``
+(256; 1 isolates what starting a job costs).
+
+``--profile FILE`` samples the worker's process with py-spy (``pip install py-spy``) for the
+whole measurement and writes its collapsed stacks (one ``frame;frame;... count`` line each) to
+FILE; ``--top`` prints the functions the worker's main thread spent the most samples in.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +48,9 @@ def prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(50, 220)))
 
 
-async def one_chat(client: ChatClient, text: str, seed: int) -> tuple[float, ...]:
+async def one_chat(client: ChatClient, text: str, seed: int, max_tokens: int) -> tuple[float, ...]:
     started = time.perf_counter()
-    job = await client.submit(text, max_tokens=256, seed=seed, temperature=0.5)
+    job = await client.submit(text, max_tokens=max_tokens, seed=seed, temperature=0.5)
     submitted = time.perf_counter()
     first: float | None = None
     done: DoneEvent | None = None
@@ -60,7 +68,9 @@ async def one_chat(client: ChatClient, text: str, seed: int) -> tuple[float, ...
     )
 
 
-async def measure(url: str, sizes: list[int], rounds: int) -> dict[int, list[tuple[float, ...]]]:
+async def measure(
+    url: str, sizes: list[int], rounds: int, max_tokens: int
+) -> dict[int, list[tuple[float, ...]]]:
     rng = random.Random(0)
     p50s: dict[int, list[tuple[float, ...]]] = {size: [] for size in sizes}
     async with ChatClient(redis_url=url, queue=QUEUE, max_queue=0) as client:
@@ -69,7 +79,7 @@ async def measure(url: str, sizes: list[int], rounds: int) -> dict[int, list[tup
             for size in sizes:
                 texts = [prompt(rng) for _ in range(size)]
                 chats = await asyncio.gather(
-                    *(one_chat(client, text, 100 + n) for n, text in enumerate(texts))
+                    *(one_chat(client, text, 100 + n, max_tokens) for n, text in enumerate(texts))
                 )
                 stages = zip(*chats, strict=True)
                 p50s[size].append(tuple(statistics.median(stage) for stage in stages))
@@ -81,16 +91,30 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 10, 50])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--profile", type=Path, help="write py-spy's collapsed stacks here")
+    parser.add_argument("--top", type=int, default=25, help="functions to print with --profile")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="edgeq-burst-"))
     model = make_tiny_model(scratch / "tiny-model").directory
     redis_server = RedisServer().start()
     env = tiny_model_env(model, redis_server.url, QUEUE) | {"EDGEQ_MAX_MODEL_LEN": "2048"}
     worker = WorkerProcess(env, scratch / "worker.log").start()
+    sampler: subprocess.Popen[bytes] | None = None
     try:
         worker.wait_ready()
-        p50s = asyncio.run(measure(redis_server.url, args.sizes, args.rounds))
+        if args.profile:
+            py_spy = str(Path(sys.executable).with_name("py-spy"))
+            sampler = subprocess.Popen(
+                [py_spy, "record", "--pid", str(worker.process.pid), "--rate", "250",
+                 "--format", "raw", "--output", str(args.profile), "--nonblocking"]
+            )  # fmt: skip
+            time.sleep(1.0)  # attached
+        p50s = asyncio.run(measure(redis_server.url, args.sizes, args.rounds, args.max_tokens))
     finally:
+        if sampler is not None:
+            sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            sampler.wait(timeout=30)
         worker.stop()
         redis_server.stop()
     print(f"p50 of each burst, median [min-max] over {args.rounds} rounds, in ms\n")
@@ -101,7 +125,30 @@ def main() -> int:
         for stage in zip(*rows, strict=True):
             cells.append(f"{statistics.median(stage):.1f} [{min(stage):.1f}-{max(stage):.1f}]")
         print(f"| {size} | " + " | ".join(cells) + " |")
+    if args.profile:
+        print_top(args.profile, args.top)
     return 0
+
+
+def print_top(collapsed: Path, top: int) -> None:
+    """Per function, the share of the event loop thread's samples it was on the stack for
+    (inclusive) and at the top of it (self)."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not any(frame.startswith("BaseEventLoop.run_forever") for frame in frames):
+            continue  # another thread's
+        samples = int(count)
+        total += samples
+        for frame in set(frames[1:]):
+            inclusive[frame] += samples
+        own[frames[-1]] += samples
+    print(f"\nworker event loop: {total} samples; inclusive % / self % per function")
+    for frame, samples in inclusive.most_common(top):
+        print(f"{100 * samples / total:5.1f} {100 * own[frame] / total:5.1f}  {frame}")
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required

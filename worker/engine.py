@@ -18,7 +18,7 @@ from edgeq.core.protocol import ChatMessage, ChatRequest
 from edgeq.core.structured import Tool
 from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
 from edgeq.worker.settings import WorkerSettings
-from edgeq.worker.vllm_plugin import ENABLE_ENV, OWNER_ENV
+from edgeq.worker.vllm_plugin import ENABLE_ENV, NICE_ENV, OWNER_ENV
 
 # When thinking is off the think tags are banned from sampling, so a model that ignores the
 # pre-closed think block of Qwen3's template still cannot open one.
@@ -113,6 +113,7 @@ class ChatEngine:
     @classmethod
     async def start(cls, settings: WorkerSettings) -> ChatEngine:
         """Build the engine (blocking: model load and KV allocation happen in its processes)."""
+        os.environ[NICE_ENV] = str(settings.engine_nice)  # read by the processes it spawns
         llm = AsyncLLM.from_engine_args(engine_args(settings))
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM releases

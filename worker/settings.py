@@ -105,6 +105,10 @@ class WorkerSettings(ConnectionSettings):
     json_any_whitespace: bool = False
 
     # How the worker runs.
+    # How many steps nicer (lower CPU priority) the engine's processes run than the worker, so
+    # the worker's event loop is not kept waiting for a core behind them (worker/vllm_plugin.py;
+    # measured in docs/benchmarks.md); 0: the same priority.
+    engine_nice: int = Field(10, ge=0, le=19)
     job_timeout_s: float = Field(300.0, gt=0)
     # How long a running chat rides out Redis being away (a restart, a failover) before the
     # worker stops generating it; its lease cannot run out meanwhile (core/leases.py).

