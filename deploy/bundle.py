@@ -224,6 +224,63 @@ def download_wheelhouse(
     progress(f"  downloaded {human(dir_size(dest))} in {time.monotonic() - started:.0f} s")
 
 
+def patch_release_gaps(
+    wheels: list[Path], python: str, exclude: frozenset[str] = frozenset()
+) -> list[str]:
+    """Requirements of ``wheels`` that an early patch release of ``python`` (a minor version,
+    "3.11") needs and none of ``wheels`` provides. pip resolved the wheelhouse for one patch
+    release (this Python's, or X.Y.0 for --python-version X.Y), while the box may run any:
+    redis-py needs async-timeout only below 3.11.3, so a wheelhouse resolved on 3.11.7 crashed
+    the worker on Debian 12's 3.11.2 at ``import redis``. Only what the wheels need for their
+    base install counts (no extras), as ``pip download`` resolved them."""
+    from packaging.requirements import Requirement
+
+    major, minor = python.split(".")[:2]
+    earliest = {"python_full_version": f"{major}.{minor}.0", "python_version": f"{major}.{minor}"}
+    have = {_wheel_name(wheel)[0] for wheel in wheels}
+    gaps: dict[str, str] = {}
+    for path in wheels:
+        if _wheel_name(path)[0] == "edgeq":
+            continue  # its extras are resolved by name in missing_requirements
+        with zipfile.ZipFile(path) as wheel:
+            names = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+            lines = wheel.read(names[0]).decode(errors="replace").splitlines() if names else []
+        for line in lines:
+            if not line.startswith("Requires-Dist:"):
+                continue
+            requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+            name = _normalize(requirement.name)
+            if name in have or name in exclude or requirement.marker is None:
+                continue  # unconditional ones pip has already resolved
+            if requirement.marker.evaluate(earliest | {"extra": ""}):
+                requirement.marker = None
+                gaps[name] = str(requirement)
+    return sorted(gaps.values())
+
+
+def fill_patch_release_gaps(
+    dest: Path,
+    variant: str,
+    python: str,
+    *,
+    platform: str | None = None,
+    progress: Progress = _stderr,
+) -> None:
+    """Download what ``patch_release_gaps`` finds (and what those wheels in turn need)."""
+    major, minor = python.split(".")[:2]
+    exclude = frozenset(CPU_EXCLUDED) if variant == "cpu" else frozenset()
+    while gaps := patch_release_gaps(sorted(dest.glob("*.whl")), python, exclude):
+        command = [
+            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "-d", str(dest), "--python-version", f"{major}.{minor}.0", "--implementation", "cp",
+            *gaps,
+        ]  # fmt: skip
+        if platform:
+            command += ["--platform", platform]
+        progress(f"  for Python {major}.{minor}.0-{major}.{minor}.x also: {', '.join(gaps)}")
+        _run(command, f"downloading wheels for early Python {major}.{minor} releases")
+
+
 def finish_wheelhouse(
     wheelhouse: Path, variant: str, progress: Progress = _stderr
 ) -> dict[Path, str]:
@@ -341,6 +398,8 @@ def build_wheelhouse(
         for wheel in reused:
             _link_or_copy(wheel, dest / wheel.name)
         progress(f"  reused {len(reused)} wheels from {wheelhouse_from}")
+    python = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    fill_patch_release_gaps(dest, variant, python, platform=platform, progress=progress)
     return finish_wheelhouse(dest, variant, progress)
 
 

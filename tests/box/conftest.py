@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -52,37 +51,6 @@ def _sweep_stale_boxes() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def box_python_version() -> str:
-    """The box's python3 (the container's is this machine's /usr/bin/python3)."""
-    return subprocess.run(
-        ["/usr/bin/python3", "-c", "import platform; print(platform.python_version())"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-
-
-def box_wheelhouse(wheelhouse: Path, directory: Path) -> Path:
-    """The test wheelhouse (hard links), plus what the box's Python needs beyond it.
-
-    deploy/bundle.py resolves the wheelhouse for the Python that runs it (3.11.7 in this venv)
-    while the manifest only pins 3.11; redis-py needs async-timeout below 3.11.3, so on
-    Debian 12's python3 (3.11.2) the installed worker failed to import redis. Until the
-    bundle resolves for the box's Python, the box tests add that wheel."""
-    target = directory / "wheelhouse"
-    target.mkdir(parents=True)
-    for wheel in wheelhouse.glob("*.whl"):
-        os.link(wheel, target / wheel.name)
-    version = box_python_version()
-    if tuple(map(int, version.split(".")[:3])) < (3, 11, 3) and not list(
-        target.glob("async_timeout-*.whl")
-    ):
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             "--python-version", version, "-d", str(target), "async-timeout>=4.0.3"],
-            check=True, capture_output=True, timeout=300,
-        )  # fmt: skip
-    return target
-
-
 @pytest.fixture(scope="module")
 def box(wheelhouse: Path) -> Iterator[Box]:
     """A booted container with ``box.bundles``: the v1 and v2 (``+b2``) CPU bundles with the
@@ -106,10 +74,9 @@ def box(wheelhouse: Path) -> Iterator[Box]:
     try:
         # Built while the container boots.
         model = make_tiny_model(directory / "model" / "tiny-qwen3").directory
-        wheels = box_wheelhouse(wheelhouse, directory)
         built = {}
         for name, suffix in (("v1", ()), ("v2", ("--version-suffix", UPGRADE_SUFFIX))):
-            top = build_bundle(bundles / name, model, wheels, *suffix)
+            top = build_bundle(bundles / name, model, wheelhouse, *suffix)
             built[name] = f"{BUNDLES_INSIDE}/{top.relative_to(bundles)}"
         boot_s = machine.wait_running()
         FIGURES["box: container booted, bundles built (s)"] = round(time.monotonic() - started, 1)
