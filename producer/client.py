@@ -226,13 +226,13 @@ class ChatJob:
                     self.job_id,
                     queue=settings.queue,
                     max_continuations=settings.max_continuations,
-                    deadline_s=settings.queue_deadline_s,
+                    deadline_s=settings.continue_within_s,
                     lease_ttl_s=settings.lease_ttl_s,
                 )
             elif await abandoned(client.redis, settings.queue, self.job_id):
                 await declare_lost(
                     client.redis, client.events, self.job_id, queue=settings.queue,
-                    why="no worker took it over within its queue deadline (EDGEQ_QUEUE_DEADLINE_S)",
+                    why="no worker took it over within EDGEQ_CONTINUE_WITHIN_S",
                 )  # fmt: skip
 
 

@@ -67,7 +67,7 @@ def early_failure(result_data: bytes | None) -> tuple[ErrorCode, str]:
     said = outcome.get("message", "") if isinstance(outcome, dict) else str(outcome)
     if said == "job expired" and _starts(result_data) > 1:
         return ErrorCode.WORKER_LOST, LOST_MESSAGE.format(
-            why="no worker took it over within its queue deadline (EDGEQ_QUEUE_DEADLINE_S)"
+            why="no worker took it over within EDGEQ_CONTINUE_WITHIN_S"
         )
     if said == "job expired":
         return ErrorCode.EXPIRED, (
@@ -174,7 +174,7 @@ async def keep_alive(state: WorkerState) -> None:
                 state.events,
                 queue=settings.queue,
                 max_continuations=settings.max_continuations,
-                deadline_s=settings.queue_deadline_s,
+                deadline_s=settings.continue_within_s,
                 lease_ttl_s=settings.lease_ttl_s,
             )
             for job_id, outcome in handed.items():

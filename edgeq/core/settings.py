@@ -89,6 +89,15 @@ class ConnectionSettings(BaseSettings):
             "one restarted) before it ends with `worker_lost`; 0: never continued."
         ),
     )
+    continue_within_s: float = Field(
+        100.0,
+        gt=0,
+        description=(
+            "A chat whose worker died waits this long for a worker (another, or the same one "
+            "restarted) to continue it, else it ends with `worker_lost`; keep it above a "
+            "worker's restart time and below EDGEQ_STREAM_TIMEOUT_S - EDGEQ_LEASE_TTL_S."
+        ),
+    )
     lease_ttl_s: float = Field(
         10.0,
         gt=0,
