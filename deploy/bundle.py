@@ -43,6 +43,8 @@ from importlib import metadata, resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 import edgeq
 
 #: deploy/ (install.sh, redis-edgeq.conf, edgeq.sysusers, edgeq.env.example) and systemd/.
@@ -173,23 +175,28 @@ def extras_for(variant: str) -> str:
     return ",".join((variant, *EXTRAS))
 
 
+def requires_dist(path: Path) -> list[Requirement]:
+    """The requirements a wheel declares (``Requires-Dist`` of its own METADATA, not of a
+    package it vendors), markers included."""
+    with zipfile.ZipFile(path) as wheel:
+        (metadata,) = (
+            n for n in wheel.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1
+        )
+        lines = wheel.read(metadata).decode(errors="replace").splitlines()
+    return [
+        Requirement(line.removeprefix("Requires-Dist:").strip())
+        for line in lines
+        if line.startswith("Requires-Dist:")
+    ]
+
+
 def missing_requirements(edgeq_wheel: Path, variant: str, wheels: list[Path]) -> list[str]:
     """edgeq's own requirements (for this variant's extras, on this Python) that have no wheel
     among ``wheels``: a reused wheelhouse made for fewer extras lacks them. Direct ones only;
     pip resolved the rest when that wheelhouse was downloaded."""
-    try:
-        from packaging.requirements import Requirement
-    except ImportError:  # pragma: no cover - pip, vllm and the dev tools all bring it
-        return []
-    with zipfile.ZipFile(edgeq_wheel) as wheel:
-        (metadata,) = (n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-        lines = wheel.read(metadata).decode().splitlines()
     have = {_wheel_name(wheel)[0] for wheel in wheels}
     missing = []
-    for line in lines:
-        if not line.startswith("Requires-Dist:"):
-            continue
-        requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+    for requirement in requires_dist(edgeq_wheel):
         wanted = requirement.marker is None or any(
             requirement.marker.evaluate({"extra": extra})
             for extra in ("", *extras_for(variant).split(","))
@@ -233,8 +240,6 @@ def patch_release_gaps(
     redis-py needs async-timeout only below 3.11.3, so a wheelhouse resolved on 3.11.7 crashed
     the worker on Debian 12's 3.11.2 at ``import redis``. Only what the wheels need for their
     base install counts (no extras), as ``pip download`` resolved them."""
-    from packaging.requirements import Requirement
-
     major, minor = python.split(".")[:2]
     earliest = {"python_full_version": f"{major}.{minor}.0", "python_version": f"{major}.{minor}"}
     have = {_wheel_name(wheel)[0] for wheel in wheels}
@@ -242,13 +247,7 @@ def patch_release_gaps(
     for path in wheels:
         if _wheel_name(path)[0] == "edgeq":
             continue  # its extras are resolved by name in missing_requirements
-        with zipfile.ZipFile(path) as wheel:
-            names = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
-            lines = wheel.read(names[0]).decode(errors="replace").splitlines() if names else []
-        for line in lines:
-            if not line.startswith("Requires-Dist:"):
-                continue
-            requirement = Requirement(line.removeprefix("Requires-Dist:").strip())
+        for requirement in requires_dist(path):
             name = _normalize(requirement.name)
             if name in have or name in exclude or requirement.marker is None:
                 continue  # unconditional ones pip has already resolved
@@ -269,7 +268,11 @@ def fill_patch_release_gaps(
     """Download what ``patch_release_gaps`` finds (and what those wheels in turn need)."""
     major, minor = python.split(".")[:2]
     exclude = frozenset(CPU_EXCLUDED) if variant == "cpu" else frozenset()
+    asked: list[str] = []
     while gaps := patch_release_gaps(sorted(dest.glob("*.whl")), python, exclude):
+        if gaps == asked:  # pip gave no wheel by that name: asking again would loop forever
+            raise BundleError(f"pip download of {', '.join(gaps)} left them missing")
+        asked = gaps
         command = [
             sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
             "-d", str(dest), "--python-version", f"{major}.{minor}.0", "--implementation", "cp",
