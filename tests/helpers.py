@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import psutil
 import redis
 from redis.asyncio import Redis
 
@@ -52,6 +53,12 @@ def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:
         "EDGEQ_MAX_MODEL_LEN": str(TEST_MAX_MODEL_LEN),
         "EDGEQ_MAX_NUM_BATCHED_TOKENS": str(TEST_MAX_NUM_BATCHED_TOKENS),
     }
+
+
+def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
+    """vLLM's processes of the worker (not multiprocessing's resource tracker)."""
+    children = psutil.Process(worker.process.pid).children(recursive=True)
+    return [process for process in children if process.name().startswith("VLLM::")]
 
 
 @contextmanager

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-import psutil
 import pytest
 
 from edgeq.testing.processes import WorkerProcess
 from edgeq.worker.settings import WorkerSettings
+from helpers import engine_of
 
 pytestmark = pytest.mark.engine
 
@@ -16,12 +16,11 @@ pytestmark = pytest.mark.engine
 def engine_threads(worker: WorkerProcess) -> dict[str, list[int]]:
     """The niceness of every thread of each of the worker's vLLM processes, by process name."""
     niceness: dict[str, list[int]] = {}
-    for process in psutil.Process(worker.process.pid).children(recursive=True):
-        if process.name().startswith("VLLM::"):
-            for thread in process.threads():
-                niceness.setdefault(process.name(), []).append(
-                    os.getpriority(os.PRIO_PROCESS, thread.id)
-                )
+    for process in engine_of(worker):
+        for thread in process.threads():
+            niceness.setdefault(process.name(), []).append(
+                os.getpriority(os.PRIO_PROCESS, thread.id)
+            )
     return niceness
 
 

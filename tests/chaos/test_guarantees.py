@@ -26,7 +26,7 @@ from edgeq.core.keys import in_progress_key, leases_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
-from helpers import FIGURES, arq_job_bytes, engine_env, run_raw_job
+from helpers import FIGURES, arq_job_bytes, engine_env, engine_of, run_raw_job
 
 pytestmark = pytest.mark.engine
 
@@ -187,12 +187,6 @@ async def kill_and_check_engine_dies(worker: WorkerProcess, *, bounded: bool = T
     finally:
         worker.stop(signal.SIGKILL)  # reaps it; and the whole tree, should the test fail
     return killed
-
-
-def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
-    """vLLM's processes of the worker (not multiprocessing's resource tracker)."""
-    children = psutil.Process(worker.process.pid).children(recursive=True)
-    return [process for process in children if process.name().startswith("VLLM::")]
 
 
 async def unfinished(redis: Redis, job_ids: set[str]) -> set[str]:
@@ -368,6 +362,7 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
         tiny_model, acl_url(auth_redis), tmp_path, "redis-restart",
         EDGEQ_LEASE_TTL_S=str(lease_ttl_s),
     )[0]  # fmt: skip
+    worker_process = psutil.Process(worker.process.pid)
     client = ChatClient(redis_url=acl_url(auth_redis), queue="edgeq:chaos", lease_ttl_s=lease_ttl_s)
     rests: asyncio.Future[list[None]] | None = None
     try:
@@ -380,7 +375,6 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
         # The worker stays frozen a while after Redis is back, so the waiting clients find every
         # lease run out (on Redis's clock) before it can renew one: none may be handed over
         # (the chats would be continued, or end worker_lost), as it was Redis that was away.
-        worker_process = psutil.Process(worker.process.pid)
         auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
         away = time.monotonic()
         worker_process.suspend()
@@ -420,8 +414,8 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
     finally:
         if rests is not None:
             rests.cancel()
-        if worker.process is not None and psutil.pid_exists(worker.process.pid):
-            psutil.Process(worker.process.pid).resume()
+        if worker_process.is_running():  # not left frozen by a failed assertion
+            worker_process.resume()
         worker.stop()
         await client.aclose()
 
