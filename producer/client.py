@@ -275,12 +275,16 @@ class ChatClient:
         """Validate, subscribe to the job's channel, then enqueue (see the module doc).
 
         ``deadline_s`` (default EDGEQ_QUEUE_DEADLINE_S): a job not started by then ends with
-        ``expired`` and never starts. Raises QueueFull when EDGEQ_MAX_QUEUE jobs are queued
-        or running.
+        ``expired`` and never starts. ``priority=`` ("interactive", "default", "batch") and
+        ``tenant=`` (default EDGEQ_TENANT) decide its place in the queue
+        (edgeq.core.scheduling). Raises QueueFull when EDGEQ_MAX_QUEUE jobs are queued or
+        running, or the tenant has its EDGEQ_TENANT_MAX_QUEUED queued.
         """
-        request = build_request(messages, **fields)
-        payload = request.model_dump(mode="json", exclude_none=True)
         settings = self.settings
+        request = build_request(messages, **fields)
+        if request.tenant is None:
+            request = request.model_copy(update={"tenant": settings.tenant})
+        payload = request.model_dump(mode="json", exclude_none=True)
         problem = limit_problem(
             request,
             len(dump_json(payload)),
@@ -293,15 +297,23 @@ class ChatClient:
         job = await self._subscribe(uuid.uuid4().hex, after_seq=-1)
         try:
             with redis_errors(settings.redis_url):
-                outcome = await self.queue.enqueue(
+                outcome, tenant_cap = await self.queue.enqueue(
                     job.job_id,
                     payload,
                     deadline_s=deadline_s if deadline_s is not None else settings.queue_deadline_s,
                     max_depth=settings.max_queue,
+                    tenant=request.tenant or settings.tenant,
+                    priority=request.priority,
                 )
         except BaseException:
             await job.aclose()
             raise
+        if outcome is Enqueued.TENANT_FULL:
+            await job.aclose()
+            raise QueueFull(
+                f"tenant {request.tenant} already has {tenant_cap} jobs queued "
+                f"(its EDGEQ_TENANT_MAX_QUEUED on the workers); try again shortly"
+            )
         if outcome is not Enqueued.ACCEPTED:
             await job.aclose()
             raise QueueFull(

@@ -9,24 +9,67 @@ from __future__ import annotations
 
 import time
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 
 from edgeq.core.batching import BatchedScript
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
-from edgeq.core.keys import job_key, wake_channel
+from edgeq.core.keys import (
+    aging_key,
+    fair_key,
+    job_key,
+    queued_by_tenant_key,
+    tenancy_key,
+    tenant_of_key,
+    wake_channel,
+)
 from edgeq.core.protocol import JOB_FUNCTION, ErrorEvent, dump_json
+from edgeq.core.scheduling import FAIR_QUEUING_LUA, Priority, band_of
 
-_ENQUEUE = """
-local limit = tonumber(ARGV[4])
-if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[5])
-redis.call('PUBLISH', ARGV[6], '')
-return 1
+# KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
+# queued-by-tenant, aging and tenancy keys (core/scheduling.py); ARGV: the payload, its TTL
+# (ms), the queue's limit, the job id, the wake channel, the band, the tenant. Returns
+# {Enqueued, the tenant's cap when it is TENANT_FULL}.
+_ENQUEUE = (
+    FAIR_QUEUING_LUA
+    + """
+local limit = tonumber(ARGV[3])
+if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return {0} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {-1} end
+local band, tenant = tonumber(ARGV[6]), ARGV[7]
+local cap = tonumber(redis.call('HGET', KEYS[7], 'max_queued:' .. tenant) or '0')
+if cap > 0 and tonumber(redis.call('HGET', KEYS[5], tenant) or '0') >= cap then
+  return {-2, cap}
+end
+local start = next_start(KEYS[3], KEYS[7], band, tenant)
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[1], score_of(band, start), ARGV[4])
+redis.call('HSET', KEYS[4], ARGV[4], tenant)
+redis.call('HINCRBY', KEYS[5], tenant, 1)
+local aging_ms = tonumber(redis.call('HGET', KEYS[7], 'aging_ms') or '0')
+if band > 0 and aging_ms > 0 then
+  local clock = redis.call('TIME')
+  local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  redis.call('ZADD', KEYS[6], now_ms + aging_ms, ARGV[4])
+end
+redis.call('PUBLISH', ARGV[5], '')
+return {1}
+"""
+)
+
+# Take a job out of the queue, with its place in its tenant's count. KEYS: the queue, the
+# payload, tenant-of, queued-by-tenant, aging; ARGV: the job id.
+_DEQUEUE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[5], ARGV[1])
+local tenant = redis.call('HGET', KEYS[3], ARGV[1])
+if tenant then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+  redis.call('HINCRBY', KEYS[4], tenant, -1)
+end
 """
 
 
@@ -34,6 +77,12 @@ class Enqueued(IntEnum):
     ACCEPTED = 1
     QUEUE_FULL = 0
     DUPLICATE_ID = -1
+    TENANT_FULL = -2
+
+
+class EnqueueOutcome(NamedTuple):
+    outcome: Enqueued
+    tenant_cap: int = 0  # the tenant's EDGEQ_TENANT_MAX_QUEUED, for TENANT_FULL
 
 
 class JobQueue:
@@ -42,11 +91,28 @@ class JobQueue:
         self._redis = redis
         # Submits from many coroutines share one pipeline per loop turn (core/batching.py).
         self._enqueue = BatchedScript(redis, _ENQUEUE)
+        self._dequeue = redis.register_script(_DEQUEUE)
+        self._scheduling_keys = [
+            fair_key(queue),
+            tenant_of_key(queue),
+            queued_by_tenant_key(queue),
+            aging_key(queue),
+            tenancy_key(queue),
+        ]
 
     async def enqueue(
-        self, job_id: str, request: dict[str, Any], *, deadline_s: float, max_depth: int
-    ) -> Enqueued:
-        """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit).
+        self,
+        job_id: str,
+        request: dict[str, Any],
+        *,
+        deadline_s: float,
+        max_depth: int,
+        tenant: str,
+        priority: Priority | None,
+    ) -> EnqueueOutcome:
+        """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit) or
+        the tenant has as many queued as its cap; its score puts it in its priority class and
+        its tenant's fair share (core/scheduling.py).
 
         The job's payload expires after ``deadline_s``: a worker reaching it later finds it
         gone and ends it with ``expired`` instead of starting it late.
@@ -54,18 +120,19 @@ class JobQueue:
         now_ms = time.time() * 1000
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
         job = {"f": JOB_FUNCTION, "a": [request], "k": {}, "t": 1, "et": round(now_ms, 3)}
-        outcome = await self._enqueue(
-            [self.name, job_key(job_id)],
+        reply = await self._enqueue(
+            [self.name, job_key(job_id), *self._scheduling_keys],
             [
                 dump_json(job),
-                int(now_ms),
                 int(deadline_s * 1000),
                 max_depth,
                 job_id,
                 wake_channel(self.name),
+                band_of(priority),
+                tenant,
             ],
         )
-        return Enqueued(int(outcome))
+        return EnqueueOutcome(Enqueued(int(reply[0])), *(int(value) for value in reply[1:]))
 
     async def depth(self) -> int:
         """Jobs accepted and not finished (arq keeps running jobs in the queue too)."""
@@ -78,10 +145,10 @@ class JobQueue:
 
         The job leaves the queue before its stream ends, so whoever sees ``cancelled`` finds
         its place in the queue free (a job that had ended is gone from the queue anyway)."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.zrem(self.name, job_id)
-            pipe.delete(job_key(job_id))
-            await pipe.execute()
+        tenant_of, queued, aging = self._scheduling_keys[1:4]
+        await self._dequeue(
+            keys=[self.name, job_key(job_id), tenant_of, queued, aging], args=[job_id]
+        )
         try:
             await log.append(ErrorEvent(job_id=job_id, seq=0, code="cancelled", message=reason))
         except StreamClosed:

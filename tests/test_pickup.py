@@ -26,7 +26,8 @@ async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS
 
 async def claim(redis: Redis, queue: str, job_ids: list[str], wanted: int) -> list[str]:
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=wanted, ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS,
+        redis, queue, job_ids, wanted=wanted, wanted_below_interactive=wanted, ttl_ms=TTL_MS,
+        lease_ttl_ms=LEASE_MS,
         now_ms=NOW_MS + 10_000,
     )  # fmt: skip
     return [job_id for job_id, _ in taken]
@@ -39,7 +40,8 @@ async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress
 
     before_ms = await redis_now_ms(redis)
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=3, ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS,
+        redis, queue, job_ids, wanted=3, wanted_below_interactive=3, ttl_ms=TTL_MS,
+        lease_ttl_ms=LEASE_MS,
         now_ms=NOW_MS + 10_000,
     )  # fmt: skip
     after_ms = await redis_now_ms(redis)

@@ -32,13 +32,14 @@ from edgeq.core.leases import (
 )
 from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
+from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
 from edgeq.worker.engine import ChatEngine, describe_device
 from edgeq.worker.jobs import chat
 from edgeq.worker.metrics import WorkerMetrics, serve_metrics
 from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
 from edgeq.worker.pickup import FastPickupWorker
 from edgeq.worker.settings import WorkerSettings
-from edgeq.worker.state import STATE_KEY, WorkerState, worker_state
+from edgeq.worker.state import STATE_KEY, WorkerState, running_by_tenant, worker_state
 from edgeq.worker.wire import dump_json, load_job
 
 # arq's own timeout is a backstop behind the job's (which publishes a proper `timeout` event).
@@ -151,6 +152,7 @@ def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
         device=state.device,
         state="draining" if state.draining.is_set() else "ready",
         running=len(state.running),
+        running_by_tenant=running_by_tenant(state),
         max_jobs=settings.arq_max_jobs,
         metrics_port=settings.metrics_port or None,
         started_at=state.started_at,
@@ -187,6 +189,10 @@ async def keep_alive(state: WorkerState) -> None:
                 redis, describe_worker(state, time.time()), ttl_s=settings.lease_ttl_s
             )
             state.metrics.waiting.set((await queue_depth(redis, settings.queue)).waiting)
+            state.metrics.count_tenants(
+                running=running_by_tenant(state),
+                waiting=await queued_by_tenant(redis, settings.queue),
+            )
         except REDIS_ERRORS as error:
             log.warning("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
         # A period from the start of this round, not from its end: on a loaded event loop a
@@ -198,6 +204,8 @@ async def start_engine(ctx: dict[str, Any]) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
     state = worker_state(ctx)
     settings = state.settings
+    # First, so producers' enqueues apply this box's weights and caps while the engine builds.
+    await publish_tenancy(state.redis, settings.queue, settings.tenancy)
     began = time.monotonic()
     engine = await ChatEngine.start(settings)
     built = time.monotonic()
@@ -287,10 +295,11 @@ def build_worker(
 def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
     """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
     EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(tenants=settings.tenancy.named_tenants)
     if settings.metrics_port:
         serve_metrics(settings.metrics_host, settings.metrics_port)
     worker = build_worker(settings, process_started=process_started, metrics=metrics)
     worker.fast_pickup = settings.fast_pickup
     worker.lease_ttl_ms = int(settings.lease_ttl_s * 1000)
+    worker.interactive_slots = settings.arq_interactive_slots
     worker.run()

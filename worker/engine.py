@@ -15,6 +15,7 @@ from typing import Any
 
 from edgeq.core.errors import ConfigError
 from edgeq.core.protocol import ChatMessage, ChatRequest
+from edgeq.core.scheduling import Priority, band_of
 from edgeq.core.structured import Tool
 from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
 from edgeq.worker.settings import WorkerSettings
@@ -66,6 +67,8 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_chunked_prefill=settings.enable_chunked_prefill,
+        # Jobs carry their class's band as vLLM's priority (edgeq.core.scheduling).
+        scheduling_policy=settings.engine_scheduling,
         block_size=settings.block_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         # On CPU vLLM would otherwise reserve ~92 % of RAM; on a GPU the utilization rules.
@@ -103,6 +106,7 @@ class ChatEngine:
         self.llm = llm
         self.settings = settings
         self.max_model_len: int = llm.model_config.max_model_len
+        self._by_priority = settings.engine_scheduling == "priority"
         self._tokenizer = tokenizer
         # Fast tokenizers are not safe to share between threads; one thread keeps rendering
         # off the event loop without ever running two encodes at once.
@@ -216,10 +220,21 @@ class ChatEngine:
         )
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: Priority | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream DELTA outputs; leaving early (break, cancel) aborts the request in the engine."""
-        stream = self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id)
+        """Stream DELTA outputs; leaving early (break, cancel) aborts the request in the engine.
+        Under EDGEQ_ENGINE_SCHEDULING=priority the engine schedules a higher class first."""
+        stream = self.llm.generate(
+            {"prompt_token_ids": prompt_token_ids},
+            params,
+            request_id,
+            priority=band_of(priority) if self._by_priority else 0,
+        )
         async with contextlib.aclosing(stream) as outputs:
             async for output in outputs:
                 yield output

@@ -102,8 +102,9 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         interval_s=settings.stream_interval_ms / 1000,
         outage_limit_s=settings.redis_outage_s,
         earlier=earlier,
+        tenant=payload.tenant,
     )
-    state.running.add(job_id)
+    state.running[job_id] = payload.tenant
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
     try:
@@ -180,7 +181,7 @@ async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
         )
     finally:
         metrics.job_ended(outcome, e2e_s=e2e_s)
-        state.running.discard(job_id)
+        state.running.pop(job_id, None)
         if job_id not in state.superseded:  # else the lease is the other run's
             await asyncio.shield(_release(state.redis, settings.queue, job_id))
         structlog.contextvars.unbind_contextvars("job_id")
@@ -249,7 +250,8 @@ async def run_chat(
             left = 0  # the answer so far fills the context: it ends here
         except VLLMValidationError as error:
             raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
-    metrics.job_started(queued_s=started_s - enqueued_s, prompt_tokens=len(prompt))
+    labels = metrics.job_labels(request)
+    metrics.job_started(labels, queued_s=started_s - enqueued_s, prompt_tokens=len(prompt))
     log.info(
         "job_continued" if continued else "job_started",
         queued_ms=_ms_since(enqueued_s, started_s),
@@ -269,7 +271,11 @@ async def run_chat(
     last_tokens_s: float | None = None
     finish_reason = "abort" if left > 0 else "length"
     # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
-    outputs = engine.generate(prompt, params, publisher.job_id) if params else _nothing()
+    outputs = (
+        engine.generate(prompt, params, publisher.job_id, priority=request.priority)
+        if params
+        else _nothing()
+    )
     async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
         async for output in outputs:
             completion = output.outputs[0]
@@ -277,6 +283,7 @@ async def run_chat(
                 now_s = time.time()
                 first_token_s = first_token_s or now_s
                 metrics.tokens_arrived(
+                    labels,
                     len(completion.token_ids),
                     gap_s=None if last_tokens_s is None else now_s - last_tokens_s,
                     since_enqueue_s=now_s - enqueued_s,

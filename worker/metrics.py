@@ -13,7 +13,8 @@ README's "Metrics" section lists every ``edgeq:*`` metric with a sample scrape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
+from typing import NamedTuple
 
 from prometheus_client import (
     REGISTRY,
@@ -26,6 +27,8 @@ from prometheus_client import (
 from prometheus_client.exposition import start_http_server
 
 from edgeq.core.errors import ConfigError
+from edgeq.core.protocol import ChatRequest
+from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py) with finer low ends: a 0.6B model on a GPU
 # yields a token every few ms, and edgeq's pickup takes about one.
@@ -43,19 +46,34 @@ REQUEST_BUCKETS_S = (
 )  # fmt: skip
 
 
-class WorkerMetrics:
-    """What the chat job records as it runs; one per worker process."""
+#: The tenant label of a tenant the worker's settings do not name: labels stay a bounded set.
+OTHER_TENANT = "other"
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+
+class JobLabels(NamedTuple):
+    priority: str
+    tenant: str
+
+
+class WorkerMetrics:
+    """What the chat job records as it runs; one per worker process. ``tenants``: the tenants
+    that get their own label (the ones the settings name; the rest count as "other")."""
+
+    def __init__(
+        self, registry: CollectorRegistry = REGISTRY, *, tenants: Collection[str] = ()
+    ) -> None:
+        self.tenants = frozenset({DEFAULT_TENANT, *tenants})
         self.queue_time = Histogram(
             "edgeq:request_queue_time_seconds",
             "Time from enqueue in Redis to the worker starting the job.",
+            JobLabels._fields,
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
         self.time_to_first_token = Histogram(
             "edgeq:time_to_first_token_seconds",
             "Time from enqueue to the engine's first token of the answer.",
+            JobLabels._fields,
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
@@ -92,22 +110,52 @@ class WorkerMetrics:
             "Jobs waiting in the Redis queue for any worker (sampled every lease renewal).",
             registry=registry,
         )
+        self.tenant_running = Gauge(
+            "edgeq:tenant_requests_running",
+            "Jobs this worker is running, by tenant (sampled every lease renewal).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_waiting = Gauge(
+            "edgeq:tenant_requests_waiting",
+            "Jobs waiting in the Redis queue, by tenant (sampled every lease renewal).",
+            ["tenant"],
+            registry=registry,
+        )
+
+    def tenant_label(self, tenant: str) -> str:
+        return tenant if tenant in self.tenants else OTHER_TENANT
+
+    def job_labels(self, request: ChatRequest) -> JobLabels:
+        tenant = self.tenant_label(request.tenant or DEFAULT_TENANT)
+        return JobLabels(request.priority or DEFAULT_PRIORITY, tenant)
+
+    def count_tenants(self, *, running: Mapping[str, int], waiting: Mapping[str, int]) -> None:
+        for gauge, counts in ((self.tenant_running, running), (self.tenant_waiting, waiting)):
+            labelled = dict.fromkeys(self.tenants, 0)
+            for tenant, count in counts.items():
+                label = self.tenant_label(tenant)
+                labelled[label] = labelled.get(label, 0) + count
+            for label, count in labelled.items():
+                gauge.labels(tenant=label).set(count)
 
     def count_running(self, running: Callable[[], int]) -> None:
         """Read the running count at scrape time, so it can never drift from the truth."""
         self.running.set_function(running)
 
-    def job_started(self, *, queued_s: float, prompt_tokens: int) -> None:
-        self.queue_time.observe(queued_s)
+    def job_started(self, labels: JobLabels, *, queued_s: float, prompt_tokens: int) -> None:
+        self.queue_time.labels(*labels).observe(queued_s)
         self.prompt_tokens.inc(prompt_tokens)
 
-    def tokens_arrived(self, count: int, *, gap_s: float | None, since_enqueue_s: float) -> None:
+    def tokens_arrived(
+        self, labels: JobLabels, count: int, *, gap_s: float | None, since_enqueue_s: float
+    ) -> None:
         """``count`` new tokens; ``gap_s`` since the previous ones, None for the first."""
         if count <= 0:
             return
         self.generation_tokens.inc(count)
         if gap_s is None:
-            self.time_to_first_token.observe(since_enqueue_s)
+            self.time_to_first_token.labels(*labels).observe(since_enqueue_s)
             gaps = [0.0] * (count - 1)  # the rest came with the first: no gap at all
         else:
             gaps = [gap_s / count] * count

@@ -34,36 +34,92 @@ from arq.worker import Worker
 from redis.asyncio import Redis
 
 from edgeq.core.connection import REDIS_ERRORS
-from edgeq.core.keys import in_progress_key, job_key, leases_key, wake_channel
+from edgeq.core.keys import (
+    aging_key,
+    fair_key,
+    in_progress_key,
+    job_key,
+    leases_key,
+    queued_by_tenant_key,
+    tenancy_key,
+    tenant_of_key,
+    wake_channel,
+)
 from edgeq.core.leases import lease_expiry_lua
+from edgeq.core.scheduling import FAIR_QUEUING_LUA
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
 # After a Redis error while waiting, pause this long before trying again.
 WAIT_RETRY_S = 0.5
+# Each claim moves up at most this many aged jobs (the rest wait for the next claim, one
+# poll later), so a backlog that ages all at once does not make one claim slow.
+AGING_BATCH = 64
 
-# KEYS: the queue, the queue's leases, then arq's in-progress key of each candidate, then each
-# candidate's payload key; ARGV: now (ms), how many to take, the in-progress TTL (ms), the
-# lease TTL (ms), then the candidates' ids. Returns id, score, id, score, ...
+# KEYS: the queue, the queue's leases, then its fair-queuing state, tenant-of,
+# queued-by-tenant, aging and tenancy keys (core/scheduling.py), then arq's in-progress key of
+# each candidate, then each candidate's payload key; ARGV: now (ms), how many to take, how many
+# of them may be below the interactive class, the in-progress TTL (ms), the lease TTL (ms),
+# then the candidates' ids. Returns id, score, id, score, ...
 _CLAIM = (
-    lease_expiry_lua("ARGV[4]")
+    lease_expiry_lua("ARGV[5]")
+    + FAIR_QUEUING_LUA
     + """
-local now, wanted, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local candidates = (#KEYS - 2) / 2
-local claimed = {}
+local now, wanted, low_wanted = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local ttl = ARGV[4]
+local queue, leases, fair, tenant_of, queued, aging, tenancy = unpack(KEYS, 1, 7)
+local candidates = (#KEYS - 7) / 2
+local claimed, low = {}, 0
 for i = 1, candidates do
   if #claimed >= 2 * wanted then break end
-  local job_id = ARGV[i + 4]
-  local score = redis.call('ZSCORE', KEYS[1], job_id)
-  if score and tonumber(score) <= now and redis.call('SET', KEYS[2 + i], '1', 'NX', 'PX', ttl) then
-    redis.call('ZADD', KEYS[2], expiry, job_id)
-    redis.call('PEXPIRE', KEYS[2 + candidates + i], ttl)
+  local job_id = ARGV[i + 5]
+  local score = tonumber(redis.call('ZSCORE', queue, job_id) or nil)
+  local band = score and math.min(math.floor(score / BAND_SPAN), 2)
+  if score and score <= now and (band == 0 or low < low_wanted)
+      and redis.call('SET', KEYS[7 + i], '1', 'NX', 'PX', ttl) then
+    if band > 0 then low = low + 1 end
+    redis.call('ZADD', leases, expiry, job_id)
+    redis.call('PEXPIRE', KEYS[7 + candidates + i], ttl)
+    -- The band's virtual clock: the largest start tag taken in it.
+    local tag = score - band * BAND_SPAN
+    if tag > tonumber(redis.call('HGET', fair, 'clock:' .. band) or '0') then
+      redis.call('HSET', fair, 'clock:' .. band, exact(tag))
+    end
+    local tenant = redis.call('HGET', tenant_of, job_id)
+    if tenant then
+      redis.call('HDEL', tenant_of, job_id)
+      redis.call('HINCRBY', queued, tenant, -1)
+    end
+    redis.call('ZREM', aging, job_id)
     claimed[#claimed + 1] = job_id
-    claimed[#claimed + 1] = score
+    claimed[#claimed + 1] = exact(score)
+  end
+end
+-- Aging: jobs queued long enough move up one class, into their tenant's flow there.
+local aging_ms = tonumber(redis.call('HGET', tenancy, 'aging_ms') or '0')
+if aging_ms > 0 then
+  local redis_now = expiry - tonumber(ARGV[5])
+  local due = redis.call('ZRANGEBYSCORE', aging, '-inf', redis_now, 'LIMIT', 0, AGING_BATCH)
+  for _, job_id in ipairs(due) do
+    local score = tonumber(redis.call('ZSCORE', queue, job_id) or nil)
+    local tenant = redis.call('HGET', tenant_of, job_id)
+    local band = score and math.min(math.floor(score / BAND_SPAN), 2)
+    if tenant and band and band > 0 then
+      band = band - 1
+      local start = next_start(fair, tenancy, band, tenant)
+      redis.call('ZADD', queue, 'XX', score_of(band, start), job_id)
+      if band > 0 then
+        redis.call('ZADD', aging, redis_now + aging_ms, job_id)
+      else
+        redis.call('ZREM', aging, job_id)
+      end
+    else
+      redis.call('ZREM', aging, job_id)  -- claimed, cancelled, or already interactive
+    end
   end
 end
 return claimed
-"""
+""".replace("AGING_BATCH", str(AGING_BATCH))
 )
 
 arq_logger = logging.getLogger("arq.worker")
@@ -75,26 +131,34 @@ async def claim_due_jobs(
     job_ids: list[str],
     *,
     wanted: int,
+    wanted_below_interactive: int,
     ttl_ms: int,
     lease_ttl_ms: int,
     now_ms: int,
-) -> list[tuple[str, int]]:
+) -> list[tuple[str, float]]:
     """Take up to ``wanted`` of ``job_ids``, in their order, in one round trip: each one that is
     due (in the queue with a score up to ``now_ms``: not deferred, not finished) and not taken
-    (arq's in-progress key is set only if absent, for ``ttl_ms``), and lease each one taken
-    for ``lease_ttl_ms`` from Redis's clock. Returns (id, score) pairs."""
+    (arq's in-progress key is set only if absent, for ``ttl_ms``), at most
+    ``wanted_below_interactive`` of them below the interactive class; lease each one taken
+    for ``lease_ttl_ms`` from Redis's clock, and move the fair-queuing clocks and aging on
+    (core/scheduling.py). Returns (id, score) pairs."""
     claim = redis.register_script(_CLAIM)
     claimed = await claim(
         keys=[
             queue,
             leases_key(queue),
+            fair_key(queue),
+            tenant_of_key(queue),
+            queued_by_tenant_key(queue),
+            aging_key(queue),
+            tenancy_key(queue),
             *(in_progress_key(job_id) for job_id in job_ids),
             *(job_key(job_id) for job_id in job_ids),
         ],
-        args=[now_ms, wanted, ttl_ms, lease_ttl_ms, *job_ids],
+        args=[now_ms, wanted, wanted_below_interactive, ttl_ms, lease_ttl_ms, *job_ids],
     )
     return [
-        (raw_id.decode(), int(float(raw_score)))
+        (raw_id.decode(), float(raw_score))
         for raw_id, raw_score in zip(claimed[::2], claimed[1::2], strict=True)
     ]
 
@@ -103,8 +167,13 @@ class FastPickupWorker(Worker):
     """arq's Worker with a wake-up channel and one round trip per claim (see the module doc)."""
 
     _wake: Any = None
+
     #: How long the lease written at claim lasts (EDGEQ_LEASE_TTL_S), in ms.
     lease_ttl_ms = 10_000
+    #: Free slots only interactive jobs may take (EDGEQ_INTERACTIVE_SLOTS): a lower class is
+    #: claimed only into the free slots beyond these, so a chat arriving while batch work
+    #: fills the box starts at once.
+    interactive_slots = 0
     #: False gives arq's own polling back (EDGEQ_FAST_PICKUP=false): for comparisons, and as
     #: a way out should a future arq change the internals overridden here.
     fast_pickup = True
@@ -148,21 +217,25 @@ class FastPickupWorker(Worker):
         candidates = [job_id for job_id in candidates if job_id not in self.tasks]
         if free_slots <= 0 or not candidates:
             return
+        now_ms = timestamp_ms()
         claimed = await claim_due_jobs(
             self.pool,
             self.queue_name,
             candidates,
             wanted=free_slots,
+            wanted_below_interactive=max(0, free_slots - self.interactive_slots),
             ttl_ms=int(self.in_progress_timeout_s * 1000),
             lease_ttl_ms=self.lease_ttl_ms,
-            now_ms=timestamp_ms(),
+            now_ms=now_ms,
         )
-        for job_id, score in claimed:
+        for job_id, _score in claimed:
             # What arq's start_jobs does with a job it took. job_counter < max_jobs, so the
             # semaphore (max_jobs + 1 permits) has a permit free and this does not wait.
             await self.sem.acquire()
             self.job_counter += 1
-            task = self.loop.create_task(self.run_job(job_id, score))
+            # arq takes the score for the enqueue time (it logs "delayed" from it); edgeq's
+            # scores are fair-queuing tags, so it gets the claim's time instead.
+            task = self.loop.create_task(self.run_job(job_id, now_ms))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = task
 

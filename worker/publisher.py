@@ -41,9 +41,11 @@ class StreamPublisher:
         interval_s: float,
         outage_limit_s: float = 10.0,
         earlier: list[AnyEvent] | None = None,
+        tenant: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job_id = job_id
+        self._tenant = tenant  # its terminal outcome is counted for this tenant too
         self._log = log
         self._interval_s = interval_s
         self._outage_limit_s = outage_limit_s
@@ -111,7 +113,9 @@ class StreamPublisher:
         ``must_land``, try again until it is back); beyond the outage limit, RedisAway."""
         while True:
             try:
-                published = await self._log.append_many(self._unconfirmed, at_seq=True)
+                published = await self._log.append_many(
+                    self._unconfirmed, at_seq=True, tenant=self._tenant
+                )
             except StreamClosed:
                 self.closed = True
                 raise

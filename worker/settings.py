@@ -6,12 +6,35 @@ README and error messages. Grouped below by the seed article's knobs.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
+from pydantic_settings import NoDecode
 
 from edgeq.core.logs import LogLevel
+from edgeq.core.scheduling import TENANT_PATTERN, Tenancy
 from edgeq.core.settings import ConnectionSettings
+
+
+def _tenant_map(value: Any) -> Any:
+    """``support=3,nightly=0.5`` -> {"support": 3.0, "nightly": 0.5}; a dict passes through."""
+    if not isinstance(value, str):
+        return value
+    entries: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        tenant, equals, number = (piece.strip() for piece in item.partition("="))
+        if not equals or not re.match(TENANT_PATTERN, tenant):
+            raise ValueError(f"{item!r} is not tenant=number (tenant: letters, digits, _ . -)")
+        try:
+            entries[tenant] = float(number)
+        except ValueError:
+            raise ValueError(f"{item!r}: {number!r} is not a number") from None
+    return entries
+
+
+#: A comma-separated tenant=number list, as EDGEQ_TENANT_WEIGHTS and EDGEQ_TENANT_MAX_QUEUED.
+TenantMap = Annotated[dict[str, float], NoDecode, BeforeValidator(_tenant_map)]
 
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 Profile = Literal["latency", "throughput", "edge-small"]
@@ -104,6 +127,20 @@ class WorkerSettings(ConnectionSettings):
     # answer padded with whitespace until max_tokens); true allows any, as vLLM's default.
     json_any_whitespace: bool = False
 
+    # Who goes first (edgeq.core.scheduling; README, "Priorities and tenants"). Weights and
+    # caps are published to Redis at start-up, where producers' enqueues read them.
+    tenant_weights: TenantMap = Field(default_factory=dict)
+    tenant_default_weight: float = Field(1.0, gt=0)
+    tenant_max_queued: TenantMap = Field(default_factory=dict)
+    priority_aging_s: float = Field(60.0, ge=0)
+    # Free slots (of EDGEQ_MAX_JOBS) that jobs below the interactive class leave free (None: a
+    # quarter of EDGEQ_MAX_JOBS), so a chat arriving while batch work fills the box starts at
+    # once.
+    interactive_slots: int | None = Field(None, ge=0)
+    # "priority": the engine schedules by class too (vLLM's scheduling_policy); "fcfs": in
+    # arrival order.
+    engine_scheduling: Literal["priority", "fcfs"] = "priority"
+
     # How the worker runs.
     # How many steps nicer (lower CPU priority) the engine's processes run than the worker, so
     # the worker's event loop is not kept waiting for a core behind them (worker/vllm_plugin.py;
@@ -148,6 +185,41 @@ class WorkerSettings(ConnectionSettings):
                 "(every running sequence needs one token per step)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _tenant_rules(self) -> WorkerSettings:
+        for tenant, weight in self.tenant_weights.items():
+            if weight <= 0:
+                raise ValueError(f"EDGEQ_TENANT_WEIGHTS: {tenant}'s weight must be above 0")
+        for tenant, cap in self.tenant_max_queued.items():
+            if cap != int(cap) or cap < 1:
+                raise ValueError(f"EDGEQ_TENANT_MAX_QUEUED: {tenant}'s cap is not a count > 0")
+        if self.tenant_max_queued and not self.fast_pickup:
+            raise ValueError(
+                "EDGEQ_TENANT_MAX_QUEUED needs EDGEQ_FAST_PICKUP=true: arq's own pickup does "
+                "not count a tenant's jobs out of the queue"
+            )
+        if self.interactive_slots is not None and self.interactive_slots >= self.arq_max_jobs:
+            raise ValueError(
+                f"EDGEQ_INTERACTIVE_SLOTS ({self.interactive_slots}) must be below "
+                f"EDGEQ_MAX_JOBS ({self.arq_max_jobs}), or no batch job could ever run"
+            )
+        return self
+
+    @property
+    def tenancy(self) -> Tenancy:
+        return Tenancy(
+            weights=self.tenant_weights,
+            max_queued={tenant: int(cap) for tenant, cap in self.tenant_max_queued.items()},
+            default_weight=self.tenant_default_weight,
+            aging_s=self.priority_aging_s,
+        )
+
+    @property
+    def arq_interactive_slots(self) -> int:
+        if self.interactive_slots is not None:
+            return self.interactive_slots
+        return self.arq_max_jobs // 4
 
     @property
     def arq_max_jobs(self) -> int:

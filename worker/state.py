@@ -8,6 +8,7 @@ checker knows instead of a dozen string keys re-annotated at each read.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,8 +35,8 @@ class WorkerState:
     #: time.monotonic() when the process started, and time.time() when the worker was built.
     process_started: float
     started_at: float
-    #: Ids of the jobs running now: their leases are renewed, their count is reported.
-    running: set[str] = field(default_factory=set)
+    #: The jobs running now (id -> tenant): their leases are renewed, their count reported.
+    running: dict[str, str] = field(default_factory=dict)
     #: Jobs whose stream another run of them took (this worker was thought dead and the job
     #: was handed over): their keys are that run's to clean up, not this one's.
     superseded: set[str] = field(default_factory=set)
@@ -51,6 +52,10 @@ class WorkerState:
         if self.engine is None:  # arq runs jobs only after on_startup: a bug if seen
             raise RuntimeError("the engine is not started")
         return self.engine
+
+
+def running_by_tenant(state: WorkerState) -> dict[str, int]:
+    return dict(Counter(state.running.values()))
 
 
 def worker_state(ctx: Mapping[str, Any]) -> WorkerState:

@@ -9,11 +9,13 @@ stream instead of a failure that only arq's log would know about. Nothing is eve
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from edgeq.core.protocol import JOB_FUNCTION, json_default
+from edgeq.core.scheduling import DEFAULT_TENANT, TENANT_PATTERN
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,15 @@ class JobPayload:
     request: Any
     problem: str | None
     size: int
+
+    @property
+    def tenant(self) -> str:
+        """The tenant the job counts to, read before validation (for counting it while it
+        runs); a request without a valid one counts to the default tenant."""
+        tenant = self.request.get("tenant") if isinstance(self.request, dict) else None
+        if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant):
+            return tenant
+        return DEFAULT_TENANT
 
     def __repr__(self) -> str:
         # arq logs the job's arguments; a prompt must never reach the log that way.

@@ -4,7 +4,8 @@
     ├── ConfigError        a setting edgeq cannot run with (the message names the variable)
     ├── InvalidRequest     refused before it was enqueued (also a ValueError)
     ├── RedisUnavailable   Redis unreachable, or it refused the credentials
-    ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running: retry later
+    ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running, or the tenant's
+    │                      EDGEQ_TENANT_MAX_QUEUED queued: retry later
     ├── JobFailed          the job ended with an ``error`` event (``code``, ``message``)
     ├── InvalidAnswer      a ``schema=`` answer was cut short or does not validate
     ├── JobTimeout         no event within the stream timeout
@@ -36,7 +37,8 @@ class RedisUnavailable(EdgeqError):
 
 
 class QueueFull(EdgeqError):
-    """The queue already holds EDGEQ_MAX_QUEUE jobs; nothing was enqueued. Retry later."""
+    """The queue already holds EDGEQ_MAX_QUEUE jobs, or the job's tenant its cap of queued
+    jobs (EDGEQ_TENANT_MAX_QUEUED); nothing was enqueued. Retry later."""
 
 
 class JobFailed(EdgeqError):

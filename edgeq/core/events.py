@@ -31,7 +31,8 @@ from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
 _SEQ_PLACEHOLDER = b'"seq":0,'
 
 # ARGV: the event's JSON before and after its seq, terminal flag, TTL (ms), the seq the writer
-# wants (-1: the next one), then for a counted terminal event its outcome and retention (s).
+# wants (-1: the next one), then for a counted terminal event its outcome, retention (s) and
+# the job's tenant ('': not known), whose outcomes are counted too, as tenant:<name>:<outcome>.
 # A wanted seq makes a retry idempotent: the same event already at that seq (its reply was
 # lost) is reported again, not appended twice; another event there means another run of the
 # job took the stream ({-3, 0}: a worker thought dead was not); a seq past the end (Redis lost
@@ -58,6 +59,9 @@ if ARGV[3] == '1' then
   redis.call('SET', KEYS[2], seq, 'PX', ARGV[4])
   if #KEYS > 3 then
     redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+    if ARGV[8] ~= '' then
+      redis.call('HINCRBY', KEYS[4], 'tenant:' .. ARGV[8] .. ':' .. ARGV[6], 1)
+    end
     redis.call('EXPIRE', KEYS[4], ARGV[7])
   end
 end
@@ -109,7 +113,9 @@ class EventLog:
         self._publish = BatchedScript(redis, _PUBLISH)
         self._ttl_ms = str(int(replay_ttl_s * 1000))
 
-    def _arguments(self, event: AnyEvent, wanted: int) -> tuple[list[str], list[bytes | str]]:
+    def _arguments(
+        self, event: AnyEvent, wanted: int, tenant: str | None
+    ) -> tuple[list[str], list[bytes | str]]:
         raw = event.model_copy(update={"seq": 0}).model_dump_json(exclude_none=True).encode()
         head, tail = raw.split(_SEQ_PLACEHOLDER, 1)
         keys = [events_key(event.job_id), terminal_key(event.job_id), stream_channel(event.job_id)]
@@ -119,18 +125,21 @@ class EventLog:
         if self._queue is not None:
             keys.append(outcomes_key(self._queue, time.time()))
             outcome = "done" if isinstance(event, DoneEvent) else event.code
-            args += [outcome, str(OUTCOME_RETENTION_S)]
+            args += [outcome, str(OUTCOME_RETENTION_S), tenant or ""]
         return keys, args
 
     async def append(self, event: AnyEvent) -> Published:
         """Append one event (its ``seq`` is ignored: Redis assigns it)."""
         return (await self.append_many([event]))[0]
 
-    async def append_many(self, events: list[AnyEvent], *, at_seq: bool = False) -> list[Published]:
+    async def append_many(
+        self, events: list[AnyEvent], *, at_seq: bool = False, tenant: str | None = None
+    ) -> list[Published]:
         """Append several events of one job, in order, in one round trip. With ``at_seq``
         each goes at its own ``seq`` (the job's one publisher numbers its events), so sending
-        the same events again after a lost reply changes nothing; else Redis numbers them."""
-        calls = [self._arguments(event, event.seq if at_seq else -1) for event in events]
+        the same events again after a lost reply changes nothing; else Redis numbers them.
+        ``tenant``: the job's, to count a terminal outcome per tenant too."""
+        calls = [self._arguments(event, event.seq if at_seq else -1, tenant) for event in events]
         replies = await self._publish.call_many(calls)
         for seq, length in replies:
             if seq == _EVENTS_LOST:

@@ -17,6 +17,8 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
 - ``{queue}:leases``: sorted set, running job id -> lease expiry (Unix ms, Redis's clock);
 - ``{queue}:workers`` and ``{queue}:worker:{id}``: the live-worker index and records;
 - ``{queue}:outcomes:{minute}``: hash, outcome -> jobs that ended that minute;
+- ``{queue}:tenancy``, ``{queue}:fair``, ``{queue}:tenant-of``, ``{queue}:queued-by-tenant``
+  and ``{queue}:aging``: priority classes and tenants' fair shares (core/scheduling.py);
 - ``{queue}:health-check:{worker id}``: arq's health record, one per worker.
 """
 
@@ -97,3 +99,30 @@ def outcomes_key(queue: str, now_s: float) -> str:
 def health_check_key(queue: str, worker_id: str) -> str:
     """arq's health record for one worker (arq's default key is shared by all workers)."""
     return f"{queue}:health-check:{worker_id}"
+
+
+def tenancy_key(queue: str) -> str:
+    """A hash per queue: the tenants' weights and caps and the aging time, as the workers
+    last published them (core/scheduling.py)."""
+    return f"{queue}:tenancy"
+
+
+def fair_key(queue: str) -> str:
+    """A hash per queue: each band's virtual clock and each tenant flow's next start tag."""
+    return f"{queue}:fair"
+
+
+def tenant_of_key(queue: str) -> str:
+    """A hash per queue: queued job id -> its tenant (until a worker claims it)."""
+    return f"{queue}:tenant-of"
+
+
+def queued_by_tenant_key(queue: str) -> str:
+    """A hash per queue: tenant -> jobs queued and not yet claimed."""
+    return f"{queue}:queued-by-tenant"
+
+
+def aging_key(queue: str) -> str:
+    """A sorted set per queue: queued job id -> when it moves up one priority class (Unix ms,
+    Redis's clock)."""
+    return f"{queue}:aging"

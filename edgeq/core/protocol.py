@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from edgeq.core.scheduling import TENANT_PATTERN, Priority
 from edgeq.core.structured import (
     MAX_TOP_LOGPROBS,
     Constraint,
@@ -99,6 +100,10 @@ class ChatRequest(BaseModel):
     # When the worker running the job dies: another worker continues the stream ("continue",
     # the default when left out) or it ends with worker_lost ("fail").
     on_worker_lost: Literal["continue", "fail"] | None = None
+    # Who goes first (edgeq.core.scheduling): the class, and whose share the job counts to.
+    # None: "default", and the client's EDGEQ_TENANT.
+    priority: Priority | None = None
+    tenant: str | None = Field(None, pattern=TENANT_PATTERN)
 
     @field_validator("stop", mode="before")
     @classmethod

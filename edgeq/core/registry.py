@@ -37,6 +37,7 @@ class WorkerInfo(BaseModel):
     device: str
     state: Literal["starting", "ready", "draining"]
     running: int
+    running_by_tenant: dict[str, int] = {}
     max_jobs: int
     metrics_port: int | None
     started_at: float

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from edgeq.core.errors import ConfigError
+from edgeq.core.scheduling import DEFAULT_TENANT, TENANT_PATTERN
 from edgeq.core.sentinel import is_sentinel_url, parse_sentinel_url
 
 ENV_PREFIX = "EDGEQ_"
@@ -104,6 +105,14 @@ class ConnectionSettings(BaseSettings):
         description=(
             "A running job whose worker is silent this long is handed to another worker to "
             "continue (EDGEQ_MAX_CONTINUATIONS), else it ends with `worker_lost`."
+        ),
+    )
+    tenant: str = Field(
+        DEFAULT_TENANT,
+        pattern=TENANT_PATTERN,
+        description=(
+            "The tenant a client's jobs count to when a call names none (fair shares and "
+            "caps: the workers' EDGEQ_TENANT_WEIGHTS and EDGEQ_TENANT_MAX_QUEUED)."
         ),
     )
     max_request_bytes: int = Field(

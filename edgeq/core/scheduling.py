@@ -1,0 +1,132 @@
+"""Who goes first: priority classes, tenants and their weights, and the queue's score.
+
+arq's queue is a sorted set, and workers take the lowest scores first (worker/pickup.py).
+edgeq gives each job a score that puts it in the right place at enqueue, so claiming stays
+one atomic step over the set's lowest scores, O(log n) in the queue's length:
+
+    score = band × BAND_SPAN + start tag
+
+- **band**: the priority class. ``interactive`` (0) before ``default`` (1) before ``batch``
+  (2): a job of a lower band is taken only when no job of a higher band is queued. The same
+  number goes to vLLM's priority scheduler (lower first, as vLLM counts it), so inside the
+  engine too a new interactive request is scheduled before waiting batch requests.
+- **start tag**: start-time fair queuing between tenants, per band. Each band has a virtual
+  clock (the largest tag a worker has claimed in it); each tenant's flow in a band has the
+  tag its next job starts at. A job starts at ``max(clock, flow tag)`` and moves its flow's
+  tag on by ``1 / weight``. So tenants with queued work are taken in proportion to their
+  weights (3 : 1 for weights 3 and 1), a tenant arriving later starts at the clock (it gets
+  its share from its first job, with no credit for the time it was away), and a tenant
+  alone gets everything.
+- **aging** (no starvation): a job queued for ``EDGEQ_PRIORITY_AGING_S`` moves up one band,
+  into its tenant's flow there, and again after as long again. So batch work waiting behind
+  a steady stream of interactive chats still progresses: after twice the aging time it
+  shares the interactive band by weight. ``EDGEQ_PRIORITY_AGING_S=0``: strict priority.
+
+Weights, queued-job caps and the aging time are worker settings; each worker writes them to
+``{queue}:tenancy`` when it starts, and the enqueue and claim scripts read them from there, so
+producers need no copy of them (the last worker to start wins if they differ).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from redis.asyncio import Redis
+
+from edgeq.core.keys import queued_by_tenant_key, tenancy_key
+
+Priority = Literal["interactive", "default", "batch"]
+#: The priority classes, first served first; a class's index is its band and engine priority.
+PRIORITIES: tuple[Priority, ...] = ("interactive", "default", "batch")
+DEFAULT_PRIORITY: Priority = "default"
+#: The tenant of a job that names none (and of a client with no EDGEQ_TENANT).
+DEFAULT_TENANT = "default"
+#: What a tenant name may look like: it is part of Redis hash fields and metric labels.
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: Width of one band of scores. Three bands end below 1.5e12, under any Unix-ms "now" arq's
+#: pickup compares scores with; a tag moves on by 1/weight per job, so a band holds 5e11
+#: jobs at weight 1 before it would reach the next.
+BAND_SPAN = 500_000_000_000
+
+
+def band_of(priority: Priority | None) -> int:
+    """The band (and vLLM priority) of a class; None is the default class."""
+    return PRIORITIES.index(priority or DEFAULT_PRIORITY)
+
+
+class Tenancy(BaseModel):
+    """The queue's sharing rules, as the workers publish them."""
+
+    weights: dict[str, float] = Field(default_factory=dict)
+    max_queued: dict[str, int] = Field(default_factory=dict)
+    default_weight: float = Field(1.0, gt=0)
+    aging_s: float = Field(60.0, ge=0)
+
+    def weight_of(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
+
+    @property
+    def named_tenants(self) -> list[str]:
+        return sorted({*self.weights, *self.max_queued})
+
+
+async def publish_tenancy(redis: Redis, queue: str, tenancy: Tenancy) -> None:
+    fields = {
+        "default_weight": repr(tenancy.default_weight),
+        "aging_ms": str(int(tenancy.aging_s * 1000)),
+        **{f"weight:{tenant}": repr(weight) for tenant, weight in tenancy.weights.items()},
+        **{f"max_queued:{tenant}": str(cap) for tenant, cap in tenancy.max_queued.items()},
+    }
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(tenancy_key(queue))
+        pipe.hset(tenancy_key(queue), mapping=fields)
+        await pipe.execute()
+
+
+async def read_tenancy(redis: Redis, queue: str) -> Tenancy | None:
+    """The rules the workers last published; None before any worker started."""
+    raw = {
+        key.decode(): value.decode()
+        for key, value in (await redis.hgetall(tenancy_key(queue))).items()
+    }
+    if not raw:
+        return None
+    return Tenancy(
+        weights={k[7:]: float(v) for k, v in raw.items() if k.startswith("weight:")},
+        max_queued={k[11:]: int(v) for k, v in raw.items() if k.startswith("max_queued:")},
+        default_weight=float(raw.get("default_weight", "1")),
+        aging_s=int(raw.get("aging_ms", "0")) / 1000,
+    )
+
+
+async def queued_by_tenant(redis: Redis, queue: str) -> dict[str, int]:
+    """Jobs queued and not yet claimed, per tenant (tenants with none left out)."""
+    counts = await redis.hgetall(queued_by_tenant_key(queue))
+    return {
+        tenant.decode(): int(count) for tenant, count in sorted(counts.items()) if int(count) > 0
+    }
+
+
+# --- Lua shared by the enqueue (producer/queue.py) and the claim (worker/pickup.py) ---------
+#
+# Both define `next_start(fair, tenancy, band, tenant)`: the start tag of the tenant's next
+# job in that band, moving the flow's tag on by 1 / weight; and `score_of(band, start)`.
+# Scores and tags are written with %.17g: Lua's own number-to-string keeps only 14 digits,
+# which would merge the tags of a weight-3 tenant in the batch band.
+FAIR_QUEUING_LUA = f"""
+local BAND_SPAN = {BAND_SPAN}
+local function exact(number) return string.format('%.17g', number) end
+local function weight_of(tenancy, tenant)
+  local weights = redis.call('HMGET', tenancy, 'weight:' .. tenant, 'default_weight')
+  return tonumber(weights[1] or weights[2] or '1')
+end
+local function next_start(fair, tenancy, band, tenant)
+  local flow = 'tag:' .. band .. ':' .. tenant
+  local tags = redis.call('HMGET', fair, 'clock:' .. band, flow)
+  local start = math.max(tonumber(tags[1] or '0'), tonumber(tags[2] or '0'))
+  redis.call('HSET', fair, flow, exact(start + 1 / weight_of(tenancy, tenant)))
+  return start
+end
+local function score_of(band, start) return exact(band * BAND_SPAN + start) end
+"""

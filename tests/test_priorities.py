@@ -1,0 +1,164 @@
+"""Priority classes and tenants through a real worker and engine: who starts first, shares by
+weight, caps that refuse one tenant only, and what the metrics and ``edgeq status`` show.
+
+The worker runs two jobs at once and keeps one free slot for interactive chats, so a queue
+builds up behind it and the order of starts is what the claim chose."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from edgeq import ChatClient, ChatJob, QueueFull
+from edgeq.producer.status import read_status, render_status
+from edgeq.testing.processes import RedisServer, WorkerProcess
+from tests.helpers import FULL_LENGTH_SEEDS, engine_env, ready_worker
+
+QUEUE = "edgeq:test-priorities"
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def priority_worker(
+    tiny_model: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    env = engine_env(tiny_model, redis_server.url, QUEUE) | {
+        "EDGEQ_MAX_JOBS": "2",
+        "EDGEQ_INTERACTIVE_SLOTS": "1",
+        "EDGEQ_TENANT_WEIGHTS": "a=3,b=1",
+        "EDGEQ_TENANT_MAX_QUEUED": "capped=2",
+        "EDGEQ_PRIORITY_AGING_S": "0",  # strict: these tests look at order, not at aging
+    }
+    with ready_worker(env, tmp_path_factory.mktemp("priorities") / "worker.log") as process:
+        yield process
+
+
+@pytest.fixture
+async def client(priority_worker: WorkerProcess) -> AsyncIterator[ChatClient]:
+    async with ChatClient(
+        redis_url=priority_worker.env["EDGEQ_REDIS_URL"], queue=QUEUE, max_queue=0
+    ) as client:
+        yield client
+
+
+async def occupy(client: ChatClient, count: int) -> list[asyncio.Task[None]]:
+    """``count`` long interactive chats, running once this returns: the slots are full."""
+
+    async def read_to_the_end(job: ChatJob, running: asyncio.Event) -> None:
+        async for event in job.stream():
+            if event.type == "delta":
+                running.set()
+
+    started = [asyncio.Event() for _ in range(count)]
+    readers = [
+        asyncio.create_task(
+            read_to_the_end(
+                await client.submit(MESSAGES, priority="interactive", seed=seed, max_tokens=300),
+                running,
+            )
+        )
+        for seed, running in zip(FULL_LENGTH_SEEDS, started, strict=False)
+    ]
+    await asyncio.gather(*(running.wait() for running in started))
+    return readers
+
+
+async def submit_timed(client: ChatClient, **fields: object) -> tuple[ChatJob, float]:
+    """A job and (about) when it was enqueued, to turn its queued_ms into a start time."""
+    job = await client.submit(MESSAGES, max_tokens=4, **fields)
+    return job, time.time()
+
+
+async def start_times(submitted: list[tuple[ChatJob, float]]) -> list[float]:
+    results = await asyncio.gather(*(job.result() for job, _ in submitted))
+    return [
+        enqueued + result.timings.queued_ms / 1000
+        for (_, enqueued), result in zip(submitted, results, strict=True)
+    ]
+
+
+async def start_order(client: ChatClient, jobs: dict[str, dict[str, object]]) -> list[str]:
+    """Submit all of ``jobs`` (name -> submit fields), wait for every answer, and return the
+    names in the order the worker started them."""
+    submitted = [await submit_timed(client, **fields) for fields in jobs.values()]
+    started = dict(zip(jobs, await start_times(submitted), strict=True))
+    return sorted(started, key=started.__getitem__)
+
+
+async def test_interactive_chats_start_before_the_batch_work_queued_ahead_of_them(
+    client: ChatClient,
+) -> None:
+    running = await occupy(client, 1)  # one slot free: the interactive one
+    batch = [await submit_timed(client, priority="batch", tenant="b") for _ in range(6)]
+    interactive = [await submit_timed(client, priority="interactive") for _ in range(2)]
+
+    started = await start_times([*batch, *interactive])
+    await asyncio.gather(*running)
+    # Queued after all six, started before every one of them: through the interactive slot,
+    # while the batch jobs wait for the running chat to end.
+    assert max(started[6:]) < min(started[:6])
+
+
+async def test_tenants_with_work_queued_start_by_weight(client: ChatClient) -> None:
+    running = await occupy(client, 2)  # both slots busy while the backlog is queued
+    order = await start_order(
+        client,
+        {
+            **{f"a{n}": {"tenant": "a"} for n in range(12)},
+            **{f"b{n}": {"tenant": "b"} for n in range(12)},
+        },
+    )
+    await asyncio.gather(*running)
+    first = order[:8]
+    assert sum(name.startswith("a") for name in first) == 6, order  # weights 3 : 1
+    assert [name for name in order if name.startswith("b")] == [f"b{n}" for n in range(12)]
+
+
+async def test_a_capped_tenant_is_refused_while_others_are_not(client: ChatClient) -> None:
+    running = await occupy(client, 2)
+    held = [
+        await client.submit(MESSAGES, tenant="capped", priority="batch", max_tokens=4)
+        for _ in range(2)
+    ]
+    with pytest.raises(QueueFull, match=r"tenant capped already has 2 jobs queued"):
+        await client.submit(MESSAGES, tenant="capped", max_tokens=4)
+    other = await client.submit(MESSAGES, tenant="a", max_tokens=4)
+
+    # Running counts come with the worker's heartbeat (every quarter lease): wait for one.
+    for _ in range(50):
+        status = await read_status(client.redis, client.settings)
+        rows = {tenant.tenant: tenant for tenant in status.tenants}
+        if rows.get("default") and rows["default"].running == 2:
+            break
+        await asyncio.sleep(0.2)
+    assert rows["default"].running == 2, rows
+    assert rows["capped"].queued == 2 and rows["capped"].max_queued == 2
+    assert rows["a"].weight == 3 and rows["a"].queued == 1
+    shown = render_status(status)
+    assert "capped" in shown and "priority aging: off (strict priority)" in shown
+
+    for job in [*held, other]:
+        assert (await job.result()).finish_reason in {"stop", "length"}
+    await asyncio.gather(*running)
+    # Claimed, the capped tenant's jobs no longer count: it may queue again.
+    await (await client.submit(MESSAGES, tenant="capped", max_tokens=4)).result()
+
+
+async def test_the_worker_labels_queue_time_and_ttft_by_class_and_tenant(
+    client: ChatClient, priority_worker: WorkerProcess
+) -> None:
+    await (await client.submit(MESSAGES, priority="batch", tenant="b", max_tokens=4)).result()
+    await (await client.submit(MESSAGES, tenant="stranger", max_tokens=4)).result()
+    async with httpx.AsyncClient() as http:
+        url = f"http://127.0.0.1:{priority_worker.metrics_port}/metrics"
+        page = (await http.get(url, timeout=10)).text
+    assert 'edgeq:request_queue_time_seconds_count{priority="batch",tenant="b"}' in page
+    assert 'edgeq:time_to_first_token_seconds_count{priority="batch",tenant="b"}' in page
+    # A tenant the settings do not name: one bounded label for all of them.
+    assert 'edgeq:request_queue_time_seconds_count{priority="default",tenant="other"}' in page
+    assert 'edgeq:tenant_requests_waiting{tenant="capped"}' in page
