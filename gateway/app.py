@@ -7,11 +7,16 @@ The gateway is a producer like any other service: it holds one pooled ChatClient
 model. A request waits for its job's first event before answering, so a job the worker
 refuses (a prompt too long, a queue deadline passed) still gets a proper HTTP status even when
 streaming. A client that goes away cancels its job: the engine stops generating for it.
+
+Each job's tenant (edgeq.core.scheduling) is the one its API key fixes
+(EDGEQ_GATEWAY_TENANT_KEYS), else the one the X-Edgeq-Tenant header names, else the client's
+EDGEQ_TENANT; its priority class is the body's ``priority`` (openai_api.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -45,6 +50,7 @@ from edgeq.core.protocol import (
     dump_json,
 )
 from edgeq.core.registry import live_workers
+from edgeq.core.scheduling import DEFAULT_PRIORITY, TENANT_PATTERN
 from edgeq.gateway.openai_api import (
     ChatCompletionRequest,
     ErrorType,
@@ -77,6 +83,8 @@ CLIENT_CLOSED_REQUEST = 499
 #: How long the list of models the live workers serve is reused before Redis is asked again.
 MODEL_NAMES_TTL_S = 2.0
 JOB_ID_HEADER = "X-Edgeq-Job-Id"
+#: The tenant of a request whose API key fixes none (EDGEQ_GATEWAY_API_KEYS, or no keys).
+TENANT_HEADER = "X-Edgeq-Tenant"
 SHUTDOWN_REASON = (
     "the gateway shut down before the answer was complete (EDGEQ_GATEWAY_SHUTDOWN_TIMEOUT_S)"
 )
@@ -216,21 +224,54 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         kind: ErrorType = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return ApiError(error.status_code, str(error.detail), type=kind).response()
 
-    async def require_api_key(request: Request) -> None:
-        if not settings.gateway_api_keys:
-            return
+    # Every accepted key with the tenant it fixes (None: a plain EDGEQ_GATEWAY_API_KEYS key).
+    api_keys: list[tuple[bytes, str | None]] = [
+        *((key.encode(), None) for key in settings.gateway_api_keys),
+        *((key.encode(), tenant) for tenant, key in settings.gateway_tenant_keys),
+    ]
+
+    async def require_api_key(request: Request) -> str | None:
+        """The tenant the caller's key fixes; None for a plain key or when auth is off."""
+        if not api_keys:
+            return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(
-            secrets.compare_digest(given, key.encode()) for key in settings.gateway_api_keys
-        ):
+        # Compared with every key, so the time taken does not tell which one matched.
+        matched = [tenant for key, tenant in api_keys if secrets.compare_digest(given, key)]
+        if scheme.lower() != "bearer" or not matched:
             raise ApiError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
-                "EDGEQ_GATEWAY_API_KEYS",
+                "EDGEQ_GATEWAY_API_KEYS or EDGEQ_GATEWAY_TENANT_KEYS",
                 type="authentication_error",
                 code="invalid_api_key",
             )
+        return matched[0]
+
+    async def request_tenant(
+        request: Request, key_tenant: str | None = Depends(require_api_key)
+    ) -> str | None:
+        """The job's tenant: the key's, else X-Edgeq-Tenant's; None leaves it to EDGEQ_TENANT."""
+        named = request.headers.get(TENANT_HEADER)
+        if named is not None and not re.fullmatch(TENANT_PATTERN, named):
+            shown = repr(named) if len(named) <= 70 else f"{named[:67]!r}..."
+            raise ApiError(
+                400,
+                f"{TENANT_HEADER}: {shown} is not a tenant name (up to 64 letters, digits, "
+                f"'_', '.' or '-', starting with a letter or digit)",
+                type="invalid_request_error",
+                code="invalid_tenant",
+            )
+        if key_tenant is not None and named is not None and named != key_tenant:
+            raise ApiError(
+                403,
+                f"{TENANT_HEADER}: this API key sends tenant {key_tenant!r}'s requests "
+                f"(EDGEQ_GATEWAY_TENANT_KEYS), not {named!r}'s; leave the header out or "
+                f"use {named!r}'s key",
+                type="permission_error",
+                code="tenant_mismatch",
+            )
+        return key_tenant or named
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -264,8 +305,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 for name in names]  # fmt: skip
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    @app.post("/v1/chat/completions")
+    async def chat_completions(
+        request: Request,
+        body: ChatCompletionRequest,
+        tenant: str | None = Depends(request_tenant),
+    ) -> Response:
         client: ChatClient = request.app.state.client
         started = time.monotonic()
         try:
@@ -280,14 +325,21 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                     param="model",
                 )
             fields = body.edgeq_fields()
+            if tenant is not None:
+                fields["tenant"] = tenant
             job = await client.submit(fields.pop("messages"), **fields)
         except UnsupportedField as error:
             raise ApiError(
-                400, str(error), type="invalid_request_error", code="unsupported"
+                400, str(error), type="invalid_request_error", code=error.code, param=error.param
             ) from None
         except EdgeqError as error:
             raise client_error(error, retry_after_s=settings.gateway_retry_after_s) from None
-        bound = log.bind(job_id=job.job_id, stream=body.stream)
+        bound = log.bind(
+            job_id=job.job_id,
+            stream=body.stream,
+            tenant=tenant or client.settings.tenant,
+            priority=fields.get("priority", DEFAULT_PRIORITY),
+        )
         headers = {JOB_ID_HEADER: job.job_id}
         events = job.stream()
         try:

@@ -2,21 +2,23 @@
 
 Requests are read like vLLM's server reads them: the sampling fields edgeq has, structured
 output (``response_format``, vLLM's ``structured_outputs``), ``tools`` / ``tool_choice``,
-``logprobs``, plus ``chat_template_kwargs`` and the seed's ``extra_body`` fields
-(``enable_thinking``, ``return_reasoning``, which OpenAI SDKs merge into the top level of the
-body). Fields an SDK sends that do not change the answer are ignored; fields that would change
+``logprobs``, vLLM's ``priority``, plus ``chat_template_kwargs`` and the seed's ``extra_body``
+fields (``enable_thinking``, ``return_reasoning``, which OpenAI SDKs merge into the top level of
+the body). Fields an SDK sends that do not change the answer are ignored; fields that would change
 it and edgeq cannot honour are refused with a 400 that names them, instead of being silently
 dropped (vLLM's server ignores its legacy ``guided_json``; we say so).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeq.core.protocol import ChatResult, DoneEvent
+from edgeq.core.scheduling import PRIORITIES, Priority
 from edgeq.core.structured import ToolCall
 
 #: vLLM's structured_outputs keys edgeq maps: regex, choice and grammar to ``constraint``,
@@ -28,6 +30,18 @@ ROLE_ALIASES = {"developer": "system"}
 
 class UnsupportedField(ValueError):
     """The request asks for something edgeq does not do; the message names the field."""
+
+    code = "unsupported"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidField(UnsupportedField):
+    """A field's value is none of those it may take; the message names the field."""
+
+    code = "invalid_request"
 
 
 class TextPart(BaseModel):
@@ -78,6 +92,8 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # vLLM's int (lower first, default 0) or one of edgeq's class names; see _priority.
+    priority: Any = None
 
     def unsupported(self) -> str | None:
         """The first field asking for what edgeq cannot do, described; None if all is fine."""
@@ -129,6 +145,7 @@ class ChatCompletionRequest(BaseModel):
             ("parallel_tool_calls", self.parallel_tool_calls),
             ("logprobs", self.logprobs),
             ("top_logprobs", self.top_logprobs),
+            ("priority", self._priority()),
         ):
             if value is not None:
                 fields[name] = value
@@ -144,6 +161,25 @@ class ChatCompletionRequest(BaseModel):
         elif given.pop("json_object", None):
             response_format = {"type": "json_object"}
         return response_format, given or None
+
+    def _priority(self) -> Priority | None:
+        """edgeq's class for ``priority``: vLLM's int read in vLLM's direction (below 0 goes
+        first: interactive; 0: default; above 0: batch), or a class name as it is."""
+        value = self.priority
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return PRIORITIES[0] if value < 0 else PRIORITIES[2] if value > 0 else PRIORITIES[1]
+        if isinstance(value, str) and value in PRIORITIES:
+            return value  # type: ignore[return-value]  # one of the Literal's values
+        shown = json.dumps(value, ensure_ascii=False)  # as the client sent it: true, 1.5
+        shown = shown if len(shown) <= 40 else f"{shown[:37]}..."
+        raise InvalidField(
+            f"priority: must be an integer as vLLM takes it (below 0: interactive, 0: default, "
+            f"above 0: batch) or one of {', '.join(repr(name) for name in PRIORITIES)} "
+            f"(got {shown})",
+            param="priority",
+        )
 
     def _thinking(self) -> bool | None:
         if self.enable_thinking is not None:
@@ -268,8 +304,8 @@ def chunk_json(
 
 
 ErrorType = Literal[
-    "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
-    "server_error", "service_unavailable",
+    "invalid_request_error", "authentication_error", "permission_error", "not_found_error",
+    "rate_limit_error", "server_error", "service_unavailable",
 ]  # fmt: skip
 
 

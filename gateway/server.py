@@ -36,7 +36,8 @@ def run_gateway(*, env_file: Path | None, host: str | None = None, port: int | N
         listen=f"{settings.gateway_host}:{settings.gateway_port}",
         redis=redacted_url(settings.redis_url),
         queue=settings.queue,
-        auth="bearer" if settings.gateway_api_keys else "off",
+        auth="bearer" if settings.auth_required else "off",
+        tenant_keys=len(settings.gateway_tenant_keys),
     )
     server = uvicorn.Server(
         uvicorn.Config(

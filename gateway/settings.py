@@ -3,15 +3,20 @@ settings every edgeq process shares (same EDGEQ_* variables, same .env)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from edgeq.core.logs import LogLevel
+from edgeq.core.scheduling import TENANT_PATTERN
 from edgeq.core.settings import ConnectionSettings
 
 CommaList = Annotated[list[str], NoDecode]
+#: (tenant, key) pairs, from ``tenant=key,tenant=key``; checked by the model validator, whose
+#: errors are the only ones that never echo the raw value (it holds the keys).
+TenantKeys = Annotated[list[tuple[str, str]], NoDecode]
 
 
 class GatewaySettings(ConnectionSettings):
@@ -22,6 +27,13 @@ class GatewaySettings(ConnectionSettings):
     gateway_api_keys: CommaList = Field(
         default_factory=list,
         description="Comma-separated bearer tokens; when set, /v1/* needs one of them.",
+    )
+    gateway_tenant_keys: TenantKeys = Field(
+        default_factory=list,
+        description=(
+            "Comma-separated tenant=key entries: each key is accepted like one of "
+            "EDGEQ_GATEWAY_API_KEYS and fixes the tenant of every request made with it."
+        ),
     )
     model: str = Field(
         "Qwen/Qwen3-0.6B",
@@ -46,3 +58,47 @@ class GatewaySettings(ConnectionSettings):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+    @field_validator("gateway_tenant_keys", mode="before")
+    @classmethod
+    def _split_tenant_keys(cls, value: Any) -> Any:
+        """``a=k1,b=k2`` -> [("a", "k1"), ("b", "k2")], split at each entry's first "=" (keys
+        may end in base64 padding); a {tenant: key} mapping is taken too. Never raises: a
+        field error would print the value, keys and all (see _check_tenant_keys)."""
+        if isinstance(value, dict):
+            return [(str(tenant), str(key)) for tenant, key in value.items()]
+        if isinstance(value, str):
+            entries = (item.strip() for item in value.split(","))
+            return [tuple(part.strip() for part in item.partition("=")[::2]) for item in entries
+                    if item]  # fmt: skip
+        return value
+
+    @model_validator(mode="after")
+    def _check_tenant_keys(self) -> GatewaySettings:
+        setting = "EDGEQ_GATEWAY_TENANT_KEYS"
+        tenant_of: dict[str, str] = {}
+        for number, (tenant, key) in enumerate(self.gateway_tenant_keys, start=1):
+            if not tenant or not key:
+                raise ValueError(f"{setting}: entry {number} is not tenant=key")
+            if not re.fullmatch(TENANT_PATTERN, tenant):
+                # Not echoed: with tenant and key swapped, it would be (most of) the key.
+                raise ValueError(
+                    f"{setting}: entry {number}: the part before its first '=' is not a tenant "
+                    f"name (up to 64 letters, digits, '_', '.' or '-', starting with a letter "
+                    f"or digit)"
+                )
+            if tenant_of.setdefault(key, tenant) != tenant:
+                raise ValueError(
+                    f"{setting}: entry {number} gives tenant {tenant!r} the key of tenant "
+                    f"{tenant_of[key]!r}; each key may fix one tenant only"
+                )
+            if key in self.gateway_api_keys:
+                raise ValueError(
+                    f"{setting}: the key of entry {number} (tenant {tenant!r}) is also in "
+                    f"EDGEQ_GATEWAY_API_KEYS; give it in one of the two"
+                )
+        return self
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self.gateway_api_keys or self.gateway_tenant_keys)

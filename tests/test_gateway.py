@@ -20,9 +20,12 @@ import openai
 import pydantic
 import pytest
 from openai.types.chat import ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
 
 from edgeq.core.errors import StreamClosed
+from edgeq.core.keys import job_key, tenant_of_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.core.scheduling import BAND_SPAN
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import (
     GatewayProcess,
@@ -38,6 +41,9 @@ pytestmark = pytest.mark.engine
 
 UNSERVED_QUEUE = "edgeq:gateway-unserved"  # no worker: its jobs wait until cancelled
 API_KEY = "sk-test-edgeq"
+# A tenant key ending in base64 padding: EDGEQ_GATEWAY_TENANT_KEYS splits at the first "=".
+TENANT_KEY = "c2stbmlnaHRseQ=="
+GATEWAY_TENANT = "gateway-own"  # the unserved gateway's EDGEQ_TENANT
 LONG = 300  # tokens; with a FULL_LENGTH_SEEDS seed the answer is still running after a chunk
 
 
@@ -57,14 +63,17 @@ def gateway(worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> 
 def unserved_gateway(
     redis_server: RedisServer, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """A gateway with an API key on a queue no worker serves, holding at most one job."""
+    """A gateway with API keys on a queue no worker serves, holding at most one job: plain
+    keys, and one that fixes the tenant "nightly"."""
     env = {
         "EDGEQ_REDIS_URL": redis_server.url,
         "EDGEQ_QUEUE": UNSERVED_QUEUE,
         "EDGEQ_MODEL": str(tiny_model),
         "EDGEQ_MAX_QUEUE": "1",
         "EDGEQ_GATEWAY_API_KEYS": f"other-key, {API_KEY}",
+        "EDGEQ_GATEWAY_TENANT_KEYS": f"nightly={TENANT_KEY}, reports=sk-reports",
         "EDGEQ_GATEWAY_RETRY_AFTER_S": "3",
+        "EDGEQ_TENANT": GATEWAY_TENANT,
     }
     process = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "unserved.log").start()
     yield process.base_url
@@ -354,6 +363,162 @@ async def test_api_keys_guard_v1_but_not_the_probes(unserved_gateway: str) -> No
     assert allowed.status_code == 200
     assert health.status_code == 200
     assert ready.status_code == 503 and UNSERVED_QUEUE in ready.json()["reason"]
+
+
+# --- priority and tenant ------------------------------------------------------------------------
+
+
+async def queued_as(
+    unserved_gateway: str,
+    unserved_client: ChatClient,
+    tiny_model: Path,
+    *,
+    key: str,
+    headers: dict[str, str] | None = None,
+    **fields: object,
+) -> tuple[str, int, dict[str, object]]:
+    """Send a chat through the unserved gateway and read, while its job waits, what the worker
+    would claim it by: the tenant the enqueue recorded, the priority band its score is in, and
+    its payload. Then hang up, which cancels the job and frees the queue's one place."""
+    body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi"}], **fields}
+    headers = {"Authorization": f"Bearer {key}", **(headers or {})}
+    redis = unserved_client.redis
+    async with httpx.AsyncClient(base_url=unserved_gateway, headers=headers) as http:
+        waiting = asyncio.create_task(http.post("/chat/completions", json=body, timeout=30))
+        (job_id,) = await queued_job_ids(unserved_client)
+        tenant = await redis.hget(tenant_of_key(UNSERVED_QUEUE), job_id)
+        score = await redis.zscore(UNSERVED_QUEUE, job_id)
+        raw = await redis.get(job_key(job_id))
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+    terminal = await terminal_event(unserved_client, job_id)
+    assert isinstance(terminal, ErrorEvent) and terminal.code == "cancelled"
+    assert tenant is not None and score is not None and raw is not None
+    (payload,) = json.loads(raw)["a"]
+    return tenant.decode(), int(score // BAND_SPAN), payload
+
+
+@pytest.mark.parametrize(
+    ("priority", "band", "named"),
+    [
+        (None, 1, None),  # left out: the default class
+        (-5, 0, "interactive"),  # vLLM's direction: lower first
+        (0, 1, "default"),
+        (7, 2, "batch"),
+        ("interactive", 0, "interactive"),
+        ("batch", 2, "batch"),
+    ],
+)
+async def test_the_body_priority_picks_the_job_class(
+    unserved_gateway: str,
+    unserved_client: ChatClient,
+    tiny_model: Path,
+    priority: int | str | None,
+    band: int,
+    named: str | None,
+) -> None:
+    fields = {} if priority is None else {"priority": priority}
+    tenant, queued_band, payload = await queued_as(
+        unserved_gateway, unserved_client, tiny_model, key=API_KEY, **fields
+    )
+    assert queued_band == band
+    assert payload.get("priority") == named  # what the worker hands vLLM's scheduler
+    assert tenant == payload["tenant"] == GATEWAY_TENANT  # nothing named one: EDGEQ_TENANT
+
+
+@pytest.mark.parametrize(
+    ("key", "header", "expected"),
+    [
+        (API_KEY, "acme", "acme"),  # a plain key: the header names the tenant
+        (TENANT_KEY, None, "nightly"),  # a tenant key fixes it
+        (TENANT_KEY, "nightly", "nightly"),  # the key's own tenant named: fine
+        ("sk-reports", None, "reports"),
+    ],
+)
+async def test_the_tenant_comes_from_a_tenant_key_or_the_header(
+    unserved_gateway: str,
+    unserved_client: ChatClient,
+    tiny_model: Path,
+    key: str,
+    header: str | None,
+    expected: str,
+) -> None:
+    headers = {} if header is None else {"X-Edgeq-Tenant": header}
+    tenant, band, payload = await queued_as(
+        unserved_gateway, unserved_client, tiny_model, key=key, headers=headers, priority=1
+    )
+    assert tenant == payload["tenant"] == expected
+    assert band == 2
+
+
+@pytest.mark.parametrize(
+    ("key", "headers", "fields", "status", "code", "named"),
+    [
+        (TENANT_KEY, {"X-Edgeq-Tenant": "acme"}, {}, 403, "tenant_mismatch", "X-Edgeq-Tenant"),
+        (API_KEY, {"X-Edgeq-Tenant": "no spaces"}, {}, 400, "invalid_tenant", "X-Edgeq-Tenant"),
+        (TENANT_KEY, {"X-Edgeq-Tenant": "-x"}, {}, 400, "invalid_tenant", "X-Edgeq-Tenant"),
+        (API_KEY, {}, {"priority": 1.5}, 400, "invalid_request", "priority"),
+        (API_KEY, {}, {"priority": 1.0}, 400, "invalid_request", "priority"),
+        (API_KEY, {}, {"priority": True}, 400, "invalid_request", "priority"),
+        (API_KEY, {}, {"priority": "urgent"}, 400, "invalid_request", "priority"),
+        (API_KEY, {}, {"priority": "-1"}, 400, "invalid_request", "priority"),
+        ("c2stbmlnaHRseQ", {}, {}, 401, "invalid_api_key", "EDGEQ_GATEWAY_TENANT_KEYS"),
+    ],
+)
+async def test_a_wrong_tenant_or_priority_is_refused_before_anything_is_queued(
+    unserved_gateway: str,
+    unserved_client: ChatClient,
+    tiny_model: Path,
+    key: str,
+    headers: dict[str, str],
+    fields: dict[str, object],
+    status: int,
+    code: str,
+    named: str,
+) -> None:
+    body = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi"}], **fields}
+    headers = {"Authorization": f"Bearer {key}", **headers}
+    async with httpx.AsyncClient(base_url=unserved_gateway, headers=headers) as http:
+        refused = await http.post("/chat/completions", json=body, timeout=30)
+    assert refused.status_code == status
+    error = refused.json()["error"]
+    assert error["code"] == code and named in error["message"]
+    if named == "priority":
+        assert error["param"] == "priority"
+        assert all(name in error["message"] for name in ("interactive", "default", "batch"))
+    if status == 403:  # the SDKs' PermissionDeniedError; the key's tenant is said, not hidden
+        assert error["type"] == "permission_error" and "nightly" in error["message"]
+    assert await unserved_client.queue.depth() == 0
+
+
+def queue_time_counts(worker: WorkerProcess) -> dict[tuple[str, str], float]:
+    """The worker's edgeq:request_queue_time_seconds_count by (priority, tenant label)."""
+    page = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5).text
+    return {
+        (sample.labels["priority"], sample.labels["tenant"]): sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == "edgeq:request_queue_time_seconds_count"
+    }
+
+
+async def test_the_worker_runs_a_gateway_job_in_the_class_and_tenant_it_was_sent_with(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess
+) -> None:
+    """The whole way: the worker's metrics count each job under the class it ran in and its
+    tenant ("other" for one the worker's settings do not name, as this "acme")."""
+    sent = [(-1, None, ("interactive", "default")), ("batch", "acme", ("batch", "other"))]
+    for priority, tenant, labels in sent:
+        before = queue_time_counts(worker).get(labels, 0.0)
+        headers = {} if tenant is None else {"X-Edgeq-Tenant": tenant}
+        await sdk.chat.completions.create(
+            model=worker.env["EDGEQ_MODEL"],
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            extra_body={"priority": priority},
+            extra_headers=headers,
+        )
+        assert queue_time_counts(worker).get(labels, 0.0) == before + 1, labels
 
 
 async def test_ready_says_a_warm_worker_serves_the_queue(gateway: str) -> None:

@@ -1,0 +1,72 @@
+"""The gateway's tenant keys (EDGEQ_GATEWAY_TENANT_KEYS): how they are read, and that a bad
+entry stops `edgeq gateway` with an error that names it but never shows a key."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from edgeq.core.errors import ConfigError
+from edgeq.core.settings import load_settings
+from edgeq.exit_codes import EXIT_CONFIG
+from edgeq.gateway.settings import GatewaySettings
+from helpers import EDGEQ
+
+pytestmark = pytest.mark.usefixtures("clean_edgeq_env")
+
+SECRET = "c2VjcmV0LWtleQ=="  # base64 padding: the entry splits at its first "="
+
+
+def test_tenant_keys_are_tenant_equals_key_split_at_the_first_equals_sign(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entries = f" nightly = {SECRET}, ,support=sk-a,support=sk-b"
+    monkeypatch.setenv("EDGEQ_GATEWAY_TENANT_KEYS", entries)
+    settings = load_settings(GatewaySettings)
+    assert settings.gateway_tenant_keys == [
+        ("nightly", SECRET),
+        ("support", "sk-a"),  # a tenant may have several keys (rotation)
+        ("support", "sk-b"),
+    ]
+    assert settings.auth_required  # tenant keys alone turn auth on
+    monkeypatch.delenv("EDGEQ_GATEWAY_TENANT_KEYS")
+    assert load_settings(GatewaySettings).gateway_tenant_keys == []
+    assert not load_settings(GatewaySettings).auth_required
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (f"ok=sk-1,bad tenant={SECRET}", "entry 2: the part before its first '=' is not a tenant"),
+        (f"-dash={SECRET}", "entry 1: the part before its first '=' is not a tenant"),
+        (f"{'t' * 65}={SECRET}", "entry 1: the part before its first '=' is not a tenant"),
+        (SECRET.rstrip("="), "entry 1 is not tenant=key"),  # a key without its tenant
+        ("nightly=", "entry 1 is not tenant=key"),
+        (f"a={SECRET},b={SECRET}", "entry 2 gives tenant 'b' the key of tenant 'a'"),
+    ],
+)
+def test_a_bad_tenant_key_entry_is_named_without_its_key(value: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_settings(GatewaySettings, gateway_tenant_keys=value)
+    message = str(refused.value)
+    assert "EDGEQ_GATEWAY_TENANT_KEYS" in message and problem in message
+    assert SECRET.rstrip("=") not in message
+
+
+def test_a_key_both_plain_and_a_tenants_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEQ_GATEWAY_API_KEYS", f"sk-plain,{SECRET}")
+    monkeypatch.setenv("EDGEQ_GATEWAY_TENANT_KEYS", f"nightly={SECRET}")
+    with pytest.raises(ConfigError, match="EDGEQ_GATEWAY_API_KEYS") as refused:
+        load_settings(GatewaySettings)
+    assert "tenant 'nightly'" in str(refused.value)
+    assert SECRET.rstrip("=") not in str(refused.value)
+
+
+def test_edgeq_gateway_stops_on_a_bad_tenant_entry_naming_it_but_not_the_key() -> None:
+    env = {**os.environ, "EDGEQ_GATEWAY_TENANT_KEYS": f"nightly=sk-1,night ly={SECRET}"}
+    ran = subprocess.run([*EDGEQ, "gateway"], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == EXIT_CONFIG, ran.stderr
+    assert "EDGEQ_GATEWAY_TENANT_KEYS: entry 2" in ran.stderr
+    assert SECRET.rstrip("=") not in ran.stderr + ran.stdout
