@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from edgeq import ChatClient, ChatJob, QueueFull
+from edgeq import ChatClient, ChatJob, JobFailed, QueueFull
+from edgeq.core.scheduling import queued_by_tenant
 from edgeq.producer.status import read_status, render_status
 from edgeq.testing.processes import RedisServer, WorkerProcess
 from tests.helpers import FULL_LENGTH_SEEDS, engine_env, ready_worker
@@ -162,3 +163,24 @@ async def test_the_worker_labels_queue_time_and_ttft_by_class_and_tenant(
     # A tenant the settings do not name: one bounded label for all of them.
     assert 'edgeq:request_queue_time_seconds_count{priority="default",tenant="other"}' in page
     assert 'edgeq:tenant_requests_waiting{tenant="capped"}' in page
+
+
+async def test_cancel_and_deadline_end_a_queued_batch_job_as_for_any_other(
+    client: ChatClient,
+) -> None:
+    running = await occupy(client, 2)
+    cancelled = await client.submit(MESSAGES, priority="batch", tenant="capped", max_tokens=4)
+    late = await client.submit(
+        MESSAGES, priority="batch", tenant="capped", max_tokens=4, deadline_s=0.5
+    )
+    assert await cancelled.cancel()
+    assert await queued_by_tenant(client.redis, QUEUE) == {"capped": 1}  # the cancel counted
+    with pytest.raises(JobFailed) as failure:
+        await cancelled.result()
+    assert failure.value.code == "cancelled"
+
+    await asyncio.gather(*running)  # the slots free up well after late's deadline
+    with pytest.raises(JobFailed) as failure:
+        await late.result()
+    assert failure.value.code == "expired"
+    assert await queued_by_tenant(client.redis, QUEUE) == {}
