@@ -26,7 +26,7 @@ async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS
 
 async def claim(redis: Redis, queue: str, job_ids: list[str], wanted: int) -> list[str]:
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=wanted, wanted_below_interactive=wanted, ttl_ms=TTL_MS,
+        redis, queue, job_ids, wanted=wanted, wanted_batch=wanted, ttl_ms=TTL_MS,
         lease_ttl_ms=LEASE_MS,
         now_ms=NOW_MS + 10_000,
     )  # fmt: skip
@@ -40,7 +40,7 @@ async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress
 
     before_ms = await redis_now_ms(redis)
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=3, wanted_below_interactive=3, ttl_ms=TTL_MS,
+        redis, queue, job_ids, wanted=3, wanted_batch=3, ttl_ms=TTL_MS,
         lease_ttl_ms=LEASE_MS,
         now_ms=NOW_MS + 10_000,
     )  # fmt: skip

@@ -30,7 +30,7 @@ def priority_worker(
 ) -> Iterator[WorkerProcess]:
     env = engine_env(tiny_model, redis_server.url, QUEUE) | {
         "EDGEQ_MAX_JOBS": "2",
-        "EDGEQ_INTERACTIVE_SLOTS": "1",
+        "EDGEQ_RESERVED_SLOTS": "1",
         "EDGEQ_TENANT_WEIGHTS": "a=3,b=1",
         "EDGEQ_TENANT_MAX_QUEUED": "capped=2",
         "EDGEQ_PRIORITY_AGING_S": "0",  # strict: these tests look at order, not at aging

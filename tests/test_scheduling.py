@@ -43,14 +43,12 @@ async def enqueue(
     return job_ids
 
 
-async def claim(
-    redis: Redis, queue: str, wanted: int, *, below_interactive: int = 10**6
-) -> list[str]:
+async def claim(redis: Redis, queue: str, wanted: int, *, batch_slots: int = 10**6) -> list[str]:
     """One worker's poll: arq's read of the lowest scores, then edgeq's claim of them."""
     now_ms = timestamp_ms()
     candidates = [raw.decode() for raw in await redis.zrangebyscore(queue, "-inf", now_ms)]
     taken = await claim_due_jobs(
-        redis, queue, candidates, wanted=wanted, wanted_below_interactive=below_interactive,
+        redis, queue, candidates, wanted=wanted, wanted_batch=batch_slots,
         ttl_ms=60_000, lease_ttl_ms=10_000, now_ms=now_ms,
     )  # fmt: skip
     for job_id, _ in taken:  # finished at once: out of the queue, as arq's finish does
@@ -125,12 +123,13 @@ async def test_priority_beats_weight_and_shares_hold_inside_each_class(
     assert taken[:2] == widget
 
 
-async def test_lower_classes_take_only_the_slots_left_to_them(redis: Redis, queue: str) -> None:
+async def test_batch_jobs_take_only_the_slots_left_to_them(redis: Redis, queue: str) -> None:
     jobs = JobQueue(redis, queue)
     batch = await enqueue(jobs, "t", "batch", count=5)
-    assert await claim(redis, queue, 5, below_interactive=2) == batch[:2]
+    assert await claim(redis, queue, 5, batch_slots=2) == batch[:2]
     interactive = await enqueue(jobs, "t", "interactive", count=2)
-    assert await claim(redis, queue, 5, below_interactive=1) == [*interactive, batch[2]]
+    default = await enqueue(jobs, "t", count=1)
+    assert await claim(redis, queue, 5, batch_slots=1) == [*interactive, *default, batch[2]]
 
 
 async def test_a_queued_job_moves_up_one_class_per_aging_time(redis: Redis, queue: str) -> None:

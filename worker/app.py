@@ -301,5 +301,5 @@ def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
     worker = build_worker(settings, process_started=process_started, metrics=metrics)
     worker.fast_pickup = settings.fast_pickup
     worker.lease_ttl_ms = int(settings.lease_ttl_s * 1000)
-    worker.interactive_slots = settings.arq_interactive_slots
+    worker.reserved_slots = settings.arq_reserved_slots
     worker.run()

@@ -59,25 +59,25 @@ AGING_BATCH = 64
 # KEYS: the queue, the queue's leases, then its fair-queuing state, tenant-of,
 # queued-by-tenant, aging and tenancy keys (core/scheduling.py), then arq's in-progress key of
 # each candidate, then each candidate's payload key; ARGV: now (ms), how many to take, how many
-# of them may be below the interactive class, the in-progress TTL (ms), the lease TTL (ms),
-# then the candidates' ids. Returns id, score, id, score, ...
+# of them may be batch jobs, the in-progress TTL (ms), the lease TTL (ms), then the candidates'
+# ids. Returns id, score, id, score, ...
 _CLAIM = (
     lease_expiry_lua("ARGV[5]")
     + FAIR_QUEUING_LUA
     + """
-local now, wanted, low_wanted = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local now, wanted, batch_wanted = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local ttl = ARGV[4]
 local queue, leases, fair, tenant_of, queued, aging, tenancy = unpack(KEYS, 1, 7)
 local candidates = (#KEYS - 7) / 2
-local claimed, low = {}, 0
+local claimed, batch = {}, 0
 for i = 1, candidates do
   if #claimed >= 2 * wanted then break end
   local job_id = ARGV[i + 5]
   local score = tonumber(redis.call('ZSCORE', queue, job_id) or nil)
   local band = score and math.min(math.floor(score / BAND_SPAN), 2)
-  if score and score <= now and (band == 0 or low < low_wanted)
+  if score and score <= now and (band < 2 or batch < batch_wanted)
       and redis.call('SET', KEYS[7 + i], '1', 'NX', 'PX', ttl) then
-    if band > 0 then low = low + 1 end
+    if band == 2 then batch = batch + 1 end
     redis.call('ZADD', leases, expiry, job_id)
     redis.call('PEXPIRE', KEYS[7 + candidates + i], ttl)
     -- The band's virtual clock: the largest start tag taken in it.
@@ -131,7 +131,7 @@ async def claim_due_jobs(
     job_ids: list[str],
     *,
     wanted: int,
-    wanted_below_interactive: int,
+    wanted_batch: int,
     ttl_ms: int,
     lease_ttl_ms: int,
     now_ms: int,
@@ -139,7 +139,7 @@ async def claim_due_jobs(
     """Take up to ``wanted`` of ``job_ids``, in their order, in one round trip: each one that is
     due (in the queue with a score up to ``now_ms``: not deferred, not finished) and not taken
     (arq's in-progress key is set only if absent, for ``ttl_ms``), at most
-    ``wanted_below_interactive`` of them below the interactive class; lease each one taken
+    ``wanted_batch`` of them of the batch class; lease each one taken
     for ``lease_ttl_ms`` from Redis's clock, and move the fair-queuing clocks and aging on
     (core/scheduling.py). Returns (id, score) pairs."""
     claim = redis.register_script(_CLAIM)
@@ -155,7 +155,7 @@ async def claim_due_jobs(
             *(in_progress_key(job_id) for job_id in job_ids),
             *(job_key(job_id) for job_id in job_ids),
         ],
-        args=[now_ms, wanted, wanted_below_interactive, ttl_ms, lease_ttl_ms, *job_ids],
+        args=[now_ms, wanted, wanted_batch, ttl_ms, lease_ttl_ms, *job_ids],
     )
     return [
         (raw_id.decode(), float(raw_score))
@@ -170,10 +170,10 @@ class FastPickupWorker(Worker):
 
     #: How long the lease written at claim lasts (EDGEQ_LEASE_TTL_S), in ms.
     lease_ttl_ms = 10_000
-    #: Free slots only interactive jobs may take (EDGEQ_INTERACTIVE_SLOTS): a lower class is
-    #: claimed only into the free slots beyond these, so a chat arriving while batch work
-    #: fills the box starts at once.
-    interactive_slots = 0
+    #: Free slots batch jobs never take (EDGEQ_RESERVED_SLOTS): a batch job is claimed only
+    #: into the free slots beyond these, so a chat arriving while batch work fills the box
+    #: starts at once.
+    reserved_slots = 0
     #: False gives arq's own polling back (EDGEQ_FAST_PICKUP=false): for comparisons, and as
     #: a way out should a future arq change the internals overridden here.
     fast_pickup = True
@@ -223,7 +223,7 @@ class FastPickupWorker(Worker):
             self.queue_name,
             candidates,
             wanted=free_slots,
-            wanted_below_interactive=max(0, free_slots - self.interactive_slots),
+            wanted_batch=max(0, free_slots - self.reserved_slots),
             ttl_ms=int(self.in_progress_timeout_s * 1000),
             lease_ttl_ms=self.lease_ttl_ms,
             now_ms=now_ms,

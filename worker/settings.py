@@ -133,10 +133,9 @@ class WorkerSettings(ConnectionSettings):
     tenant_default_weight: float = Field(1.0, gt=0)
     tenant_max_queued: TenantMap = Field(default_factory=dict)
     priority_aging_s: float = Field(60.0, ge=0)
-    # Free slots (of EDGEQ_MAX_JOBS) that jobs below the interactive class leave free (None: a
-    # quarter of EDGEQ_MAX_JOBS), so a chat arriving while batch work fills the box starts at
-    # once.
-    interactive_slots: int | None = Field(None, ge=0)
+    # Free slots (of EDGEQ_MAX_JOBS) batch jobs never take (None: a quarter of EDGEQ_MAX_JOBS),
+    # so a chat arriving while batch work fills the box starts at once.
+    reserved_slots: int | None = Field(None, ge=0)
     # "priority": the engine schedules by class too (vLLM's scheduling_policy); "fcfs": in
     # arrival order.
     engine_scheduling: Literal["priority", "fcfs"] = "priority"
@@ -199,9 +198,9 @@ class WorkerSettings(ConnectionSettings):
                 "EDGEQ_TENANT_MAX_QUEUED needs EDGEQ_FAST_PICKUP=true: arq's own pickup does "
                 "not count a tenant's jobs out of the queue"
             )
-        if self.interactive_slots is not None and self.interactive_slots >= self.arq_max_jobs:
+        if self.reserved_slots is not None and self.reserved_slots >= self.arq_max_jobs:
             raise ValueError(
-                f"EDGEQ_INTERACTIVE_SLOTS ({self.interactive_slots}) must be below "
+                f"EDGEQ_RESERVED_SLOTS ({self.reserved_slots}) must be below "
                 f"EDGEQ_MAX_JOBS ({self.arq_max_jobs}), or no batch job could ever run"
             )
         return self
@@ -216,9 +215,9 @@ class WorkerSettings(ConnectionSettings):
         )
 
     @property
-    def arq_interactive_slots(self) -> int:
-        if self.interactive_slots is not None:
-            return self.interactive_slots
+    def arq_reserved_slots(self) -> int:
+        if self.reserved_slots is not None:
+            return self.reserved_slots
         return self.arq_max_jobs // 4
 
     @property
