@@ -43,10 +43,10 @@ local cap = tonumber(redis.call('HGET', KEYS[7], 'max_queued:' .. tenant) or '0'
 if cap > 0 and tonumber(redis.call('HGET', KEYS[5], tenant) or '0') >= cap then
   return {-2, cap}
 end
-local start = next_start(KEYS[3], KEYS[7], band, tenant)
+local start = join_flow(KEYS[3], KEYS[7], band, tenant)
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[1], score_of(band, start), ARGV[4])
-redis.call('HSET', KEYS[4], ARGV[4], tenant)
+redis.call('HSET', KEYS[4], ARGV[4], band .. ':' .. tenant)
 redis.call('HINCRBY', KEYS[5], tenant, 1)
 local aging_ms = tonumber(redis.call('HGET', KEYS[7], 'aging_ms') or '0')
 if band > 0 and aging_ms > 0 then
@@ -59,18 +59,21 @@ return {1}
 """
 )
 
-# Take a job out of the queue, with its place in its tenant's count. KEYS: the queue, the
-# payload, tenant-of, queued-by-tenant, aging; ARGV: the job id.
-_DEQUEUE = """
+# Take a job out of the queue, and out of its tenant's counts and flow if it was still
+# queued. KEYS: the queue, the payload, then the fair, tenant-of, queued-by-tenant and aging
+# keys; ARGV: the job id.
+_DEQUEUE = (
+    FAIR_QUEUING_LUA
+    + """
+local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or nil)
+local tenant = queued_entry(KEYS[4], ARGV[1])
+if score and tenant then
+  dequeued(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[1], band_of_score(score), tenant)
+end
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[5], ARGV[1])
-local tenant = redis.call('HGET', KEYS[3], ARGV[1])
-if tenant then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('HINCRBY', KEYS[4], tenant, -1)
-end
 """
+)
 
 
 class Enqueued(IntEnum):
@@ -145,9 +148,8 @@ class JobQueue:
 
         The job leaves the queue before its stream ends, so whoever sees ``cancelled`` finds
         its place in the queue free (a job that had ended is gone from the queue anyway)."""
-        tenant_of, queued, aging = self._scheduling_keys[1:4]
         await self._dequeue(
-            keys=[self.name, job_key(job_id), tenant_of, queued, aging], args=[job_id]
+            keys=[self.name, job_key(job_id), *self._scheduling_keys[:4]], args=[job_id]
         )
         try:
             await log.append(ErrorEvent(job_id=job_id, seq=0, code="cancelled", message=reason))

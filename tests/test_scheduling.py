@@ -14,7 +14,7 @@ from arq.utils import timestamp_ms
 from redis.asyncio import Redis
 
 from edgeq.core.events import EventLog
-from edgeq.core.keys import aging_key, tenant_of_key
+from edgeq.core.keys import aging_key, fair_key, tenant_of_key
 from edgeq.core.scheduling import (
     BAND_SPAN,
     Priority,
@@ -213,3 +213,38 @@ async def test_two_workers_claiming_at_once_take_every_job_once_in_share(
     assert len(taken) == len(set(taken)) == 40
     total = sum(weights.values())
     assert tenants(taken) == {tenant: 40 * weight / total for tenant, weight in weights.items()}
+
+
+async def test_a_tenant_that_cancelled_its_backlog_owes_nothing(redis: Redis, queue: str) -> None:
+    jobs = JobQueue(redis, queue)
+    log = EventLog(redis, replay_ttl_s=60)
+    await enqueue(jobs, "a", count=100)
+    for job_id in await enqueue(jobs, "b", count=100):
+        await jobs.cancel(log, job_id, "test")
+    await enqueue(jobs, "b", count=10)
+    assert tenants(await claim(redis, queue, 20)) == {"a": 10, "b": 10}
+
+
+async def test_the_fair_queuing_state_holds_only_flows_with_work_queued(
+    redis: Redis, queue: str
+) -> None:
+    jobs = JobQueue(redis, queue)
+    for tenant in ("a", "b", "c"):
+        await enqueue(jobs, tenant, "batch", count=3)
+    await claim(redis, queue, 9)
+    fields = {field.decode() for field in await redis.hkeys(fair_key(queue))}
+    assert fields == {"clock:2"}
+
+
+async def test_batch_work_aged_into_a_higher_class_still_keeps_off_the_reserved_slots(
+    redis: Redis, queue: str
+) -> None:
+    await publish_tenancy(redis, queue, Tenancy(aging_s=0.2))
+    jobs = JobQueue(redis, queue)
+    (aged,) = await enqueue(jobs, "nightly", "batch")
+    await asyncio.sleep(0.3)
+    await claim(redis, queue, 0)
+    assert (await redis.zscore(queue, aged)) // BAND_SPAN == 1  # now in the default class
+    default = await enqueue(jobs, "team", count=1)
+    assert await claim(redis, queue, 2, batch_slots=0) == default
+    assert await claim(redis, queue, 2, batch_slots=1) == [aged]

@@ -74,10 +74,13 @@ for i = 1, candidates do
   if #claimed >= 2 * wanted then break end
   local job_id = ARGV[i + 5]
   local score = tonumber(redis.call('ZSCORE', queue, job_id) or nil)
-  local band = score and math.min(math.floor(score / BAND_SPAN), 2)
-  if score and score <= now and (band < 2 or batch < batch_wanted)
+  local band = score and band_of_score(score)
+  local tenant, born = queued_entry(tenant_of, job_id)
+  -- Batch work keeps off the reserved slots, also once aging has moved it up.
+  local is_batch = (born or band) == 2
+  if score and score <= now and (not is_batch or batch < batch_wanted)
       and redis.call('SET', KEYS[7 + i], '1', 'NX', 'PX', ttl) then
-    if band == 2 then batch = batch + 1 end
+    if is_batch then batch = batch + 1 end
     redis.call('ZADD', leases, expiry, job_id)
     redis.call('PEXPIRE', KEYS[7 + candidates + i], ttl)
     -- The band's virtual clock: the largest start tag taken in it.
@@ -85,12 +88,7 @@ for i = 1, candidates do
     if tag > tonumber(redis.call('HGET', fair, 'clock:' .. band) or '0') then
       redis.call('HSET', fair, 'clock:' .. band, exact(tag))
     end
-    local tenant = redis.call('HGET', tenant_of, job_id)
-    if tenant then
-      redis.call('HDEL', tenant_of, job_id)
-      redis.call('HINCRBY', queued, tenant, -1)
-    end
-    redis.call('ZREM', aging, job_id)
+    if tenant then dequeued(fair, tenant_of, queued, aging, job_id, band, tenant) end
     claimed[#claimed + 1] = job_id
     claimed[#claimed + 1] = exact(score)
   end
@@ -102,11 +100,12 @@ if aging_ms > 0 then
   local due = redis.call('ZRANGEBYSCORE', aging, '-inf', redis_now, 'LIMIT', 0, AGING_BATCH)
   for _, job_id in ipairs(due) do
     local score = tonumber(redis.call('ZSCORE', queue, job_id) or nil)
-    local tenant = redis.call('HGET', tenant_of, job_id)
-    local band = score and math.min(math.floor(score / BAND_SPAN), 2)
+    local tenant = queued_entry(tenant_of, job_id)
+    local band = score and band_of_score(score)
     if tenant and band and band > 0 then
+      leave_flow(fair, band, tenant)
       band = band - 1
-      local start = next_start(fair, tenancy, band, tenant)
+      local start = join_flow(fair, tenancy, band, tenant)
       redis.call('ZADD', queue, 'XX', score_of(band, start), job_id)
       if band > 0 then
         redis.call('ZADD', aging, redis_now + aging_ms, job_id)
