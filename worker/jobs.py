@@ -255,6 +255,8 @@ async def run_chat(
     log.info(
         "job_continued" if continued else "job_started",
         queued_ms=_ms_since(enqueued_s, started_s),
+        priority=labels.priority,
+        tenant=request.tenant,
         prompt_tokens=len(prompt),
         max_tokens=max(left, 0),
         thinking=thinking,
