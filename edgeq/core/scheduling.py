@@ -93,8 +93,16 @@ async def read_tenancy(redis: Redis, queue: str) -> Tenancy | None:
     if not raw:
         return None
     return Tenancy(
-        weights={k[7:]: float(v) for k, v in raw.items() if k.startswith("weight:")},
-        max_queued={k[11:]: int(v) for k, v in raw.items() if k.startswith("max_queued:")},
+        weights={
+            key.removeprefix("weight:"): float(value)
+            for key, value in raw.items()
+            if key.startswith("weight:")
+        },
+        max_queued={
+            key.removeprefix("max_queued:"): int(value)
+            for key, value in raw.items()
+            if key.startswith("max_queued:")
+        },
         default_weight=float(raw.get("default_weight", "1")),
         aging_s=int(raw.get("aging_ms", "0")) / 1000,
     )
