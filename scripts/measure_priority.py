@@ -12,11 +12,11 @@ figures. Quick checks: ``claim --sizes 100,10000 --rounds 1``, ``fairness --back
 
 - ``claim`` (Redis only): a fresh queue of each size, its jobs spread evenly over tenants a, b
   and c (weights 3, 1, 1) and the three classes; then ``--claims`` claim rounds as a worker with
-  16 free slots makes them: arq's ZRANGEBYSCORE -inf now LIMIT 0 320 (its queue_read_limit for
-  the default 64 jobs), then ``claim_due_jobs``. Each claimed job then finishes at once (its
+  16 free slots makes them: ``claim_due_jobs``, which looks at the queue's first 320 due jobs
+  (arq's queue_read_limit for the default 64 jobs). Each claimed job then finishes at once (its
   keys go, as arq's finish removes them) and a new job of its tenant and class is enqueued,
-  outside the timing, so the length stays constant. Pickup: the client's round trip of the two
-  commands. Script: Redis's own time in the claim's EVALSHA (INFO commandstats, read around each
+  outside the timing, so the length stays constant. Pickup: the client's round trip of the
+  claim. Script: Redis's own time in the claim's EVALSHA (INFO commandstats, read around each
   claim). CPU: Redis's main thread (INFO cpu) across each claim round, I/O included, less the
   same across nothing (the INFO calls' own cost). Sizes alternate over ``--rounds``.
 - ``fairness`` (a worker on the tiny model, EDGEQ_TENANT_WEIGHTS=a=3,b=1): ~``--backlog`` jobs
@@ -225,15 +225,13 @@ async def redis_counters(redis: Redis) -> tuple[float, float]:
 
 
 async def claim_round(redis: Redis) -> tuple[float, list[str]]:
-    """A worker's poll with FREE_SLOTS free: its read of the queue's head, then its claim."""
+    """A worker's poll with FREE_SLOTS free: its claim, which reads the queue's head itself."""
     began = time.perf_counter()
-    now_ms = timestamp_ms()
-    head = await redis.zrangebyscore(QUEUE, "-inf", now_ms, start=0, num=READ_LIMIT)
     claimed = await claim_due_jobs(
-        redis, QUEUE, [job_id.decode() for job_id in head], wanted=FREE_SLOTS,
-        wanted_batch=FREE_SLOTS, ttl_ms=60_000, lease_ttl_ms=10_000, now_ms=now_ms,
+        redis, QUEUE, wanted=FREE_SLOTS, wanted_batch=FREE_SLOTS, scan_limit=READ_LIMIT,
+        ttl_ms=60_000, lease_ttl_ms=10_000, now_ms=timestamp_ms(),
     )  # fmt: skip
-    return time.perf_counter() - began, [job_id for job_id, _ in claimed]
+    return time.perf_counter() - began, [job.job_id for job in claimed]
 
 
 async def finish_and_refill(
@@ -316,8 +314,8 @@ def run_claim(args: argparse.Namespace) -> int:
     finally:
         redis_server.stop()
     print(
-        f"{args.claims} claim rounds per size and round (ZRANGEBYSCORE LIMIT 0 {READ_LIMIT} + "
-        f"claim of {FREE_SLOTS}), {args.rounds} rounds alternating sizes; "
+        f"{args.claims} claim rounds per size and round (claims of {FREE_SLOTS} among the "
+        f"first {READ_LIMIT} due), {args.rounds} rounds alternating sizes; "
         f"median [min-max] over the rounds; cores: {os.cpu_count()}\n"
     )
     print("| queued jobs | " + " | ".join(label for label, _ in CLAIM_COLUMNS) + " |")

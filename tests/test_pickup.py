@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from arq.constants import abort_jobs_ss
 from redis.asyncio import Redis
 
-from edgeq.core.keys import in_progress_key, leases_key
+from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key
 from edgeq.core.leases import redis_now_ms
-from edgeq.worker.pickup import claim_due_jobs
+from edgeq.worker.pickup import START_COUNT_TTL_S, claim_due_jobs
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000
@@ -24,13 +25,12 @@ async def queued(redis: Redis, queue: str, count: int, *, score_ms: int = NOW_MS
     return job_ids
 
 
-async def claim(redis: Redis, queue: str, job_ids: list[str], wanted: int) -> list[str]:
+async def claim(redis: Redis, queue: str, wanted: int, *, scan_limit: int = 100) -> list[str]:
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=wanted, wanted_batch=wanted, ttl_ms=TTL_MS,
-        lease_ttl_ms=LEASE_MS,
-        now_ms=NOW_MS + 10_000,
+        redis, queue, wanted=wanted, wanted_batch=wanted, scan_limit=scan_limit,
+        ttl_ms=TTL_MS, lease_ttl_ms=LEASE_MS, now_ms=NOW_MS + 10_000,
     )  # fmt: skip
-    return [job_id for job_id, _ in taken]
+    return [job.job_id for job in taken]
 
 
 async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress(
@@ -40,13 +40,14 @@ async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress
 
     before_ms = await redis_now_ms(redis)
     taken = await claim_due_jobs(
-        redis, queue, job_ids, wanted=3, wanted_batch=3, ttl_ms=TTL_MS,
-        lease_ttl_ms=LEASE_MS,
-        now_ms=NOW_MS + 10_000,
+        redis, queue, wanted=3, wanted_batch=3, scan_limit=100, ttl_ms=TTL_MS,
+        lease_ttl_ms=LEASE_MS, now_ms=NOW_MS + 10_000,
     )  # fmt: skip
     after_ms = await redis_now_ms(redis)
 
-    assert taken == [(job_id, NOW_MS + n) for n, job_id in enumerate(job_ids[:3])]
+    assert [(job.job_id, job.score) for job in taken] == [
+        (job_id, NOW_MS + n) for n, job_id in enumerate(job_ids[:3])
+    ]
     for job_id in job_ids[:3]:
         assert 0 < await redis.pttl(in_progress_key(job_id)) <= TTL_MS
         # Leased in the same step, from Redis's clock: never taken without a lease.
@@ -55,20 +56,54 @@ async def test_takes_as_many_as_wanted_in_queue_order_and_marks_them_in_progress
     assert await redis.zcard(leases_key(queue)) == 3
     assert not await redis.exists(*(in_progress_key(job_id) for job_id in job_ids[3:]))
     # The next look takes what is left, then nothing.
-    assert await claim(redis, queue, job_ids, wanted=10) == job_ids[3:]
-    assert await claim(redis, queue, job_ids, wanted=10) == []
+    assert await claim(redis, queue, wanted=10) == job_ids[3:]
+    assert await claim(redis, queue, wanted=10) == []
 
 
-async def test_skips_jobs_taken_elsewhere_deferred_or_finished(redis: Redis, queue: str) -> None:
+async def test_skips_jobs_taken_elsewhere_or_deferred(redis: Redis, queue: str) -> None:
     taken_elsewhere, due = await queued(redis, queue, 2)
     (deferred,) = await queued(redis, queue, 1, score_ms=NOW_MS + 60_000)
-    finished = "job-no-longer-queued"
     await redis.set(in_progress_key(taken_elsewhere), b"1")  # e.g. by arq's own start_jobs
 
-    assert await claim(redis, queue, [taken_elsewhere, deferred, finished, due], 10) == [due]
+    assert await claim(redis, queue, 10) == [due]
     assert await redis.ttl(in_progress_key(taken_elsewhere)) == -1  # left as it was
-    assert not await redis.exists(in_progress_key(deferred), in_progress_key(finished))
+    assert not await redis.exists(in_progress_key(deferred))
     assert await redis.zrange(leases_key(queue), 0, -1) == [due.encode()]
+
+
+async def test_looks_at_no_more_of_the_queue_than_its_scan_limit(redis: Redis, queue: str) -> None:
+    running = await queued(redis, queue, 5)
+    (waiting,) = await queued(redis, queue, 1, score_ms=NOW_MS + 5)
+    for job_id in running:  # taken by other workers, still in arq's queue while they run
+        await redis.set(in_progress_key(job_id), b"1")
+
+    assert await claim(redis, queue, 10, scan_limit=5) == []
+    assert await claim(redis, queue, 10, scan_limit=6) == [waiting]
+
+
+async def test_reads_what_arqs_run_job_would_in_the_same_step(redis: Redis, queue: str) -> None:
+    fresh, started_before, aborted, expired = await queued(redis, queue, 4)
+    for job_id in (fresh, started_before, aborted):
+        await redis.set(job_key(job_id), f"payload of {job_id}".encode())
+    await redis.set(retry_key(started_before), b"1")  # started once: a handed-over job
+    await redis.zadd(abort_jobs_ss, {aborted: NOW_MS})
+
+    taken = {
+        job.job_id: job
+        for job in await claim_due_jobs(
+            redis, queue, wanted=10, wanted_batch=10, scan_limit=100, ttl_ms=TTL_MS,
+            lease_ttl_ms=LEASE_MS, now_ms=NOW_MS + 10_000,
+        )
+    }  # fmt: skip
+
+    assert taken[fresh].payload == f"payload of {fresh}".encode()
+    assert (taken[fresh].job_try, taken[fresh].aborted) == (1, False)
+    assert taken[started_before].job_try == 2
+    assert taken[aborted].aborted and not await redis.zscore(abort_jobs_ss, aborted)
+    assert taken[expired].payload is None  # its queue deadline removed the payload
+    for job_id in taken:  # the start count lives as long as arq's own
+        assert 0 < await redis.ttl(retry_key(job_id)) <= START_COUNT_TTL_S
+    assert 0 < await redis.pttl(job_key(fresh)) <= TTL_MS  # kept while the job may run
 
 
 async def test_two_workers_claiming_at_once_never_take_the_same_job(
@@ -78,7 +113,7 @@ async def test_two_workers_claiming_at_once_never_take_the_same_job(
     workers = [Redis.from_url(redis_server.url) for _ in range(2)]
     try:
         first, second = await asyncio.gather(
-            *(claim(worker, queue, job_ids, wanted=64) for worker in workers)
+            *(claim(worker, queue, wanted=64, scan_limit=200) for worker in workers)
         )
     finally:
         for worker in workers:

@@ -34,6 +34,9 @@ def priority_worker(
         "EDGEQ_TENANT_WEIGHTS": "a=3,b=1",
         "EDGEQ_TENANT_MAX_QUEUED": "capped=2",
         "EDGEQ_PRIORITY_AGING_S": "0",  # strict: these tests look at order, not at aging
+        # A heartbeat (running counts for `edgeq status`) every 0.25 s: more than once while
+        # the occupying chats run, which took 0.44 s for 300 tokens on a fast day.
+        "EDGEQ_LEASE_TTL_S": "1",
     }
     with ready_worker(env, tmp_path_factory.mktemp("priorities") / "worker.log") as process:
         yield process
@@ -147,7 +150,7 @@ async def test_a_capped_tenant_is_refused_while_others_are_not(client: ChatClien
         rows = {tenant.tenant: tenant for tenant in status.tenants}
         if rows.get("default") and rows["default"].running == 2:
             break
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)
     assert rows["default"].running == 2, rows
     assert rows["capped"].queued == 2 and rows["capped"].max_queued == 2
     assert rows["a"].weight == 3 and rows["a"].queued == 1
@@ -181,8 +184,9 @@ async def test_cancel_and_deadline_end_a_queued_batch_job_as_for_any_other(
 ) -> None:
     running = await occupy(client, 2)
     cancelled = await client.submit(MESSAGES, priority="batch", tenant="capped", max_tokens=4)
+    # The occupying chats' 300 tokens outlast this deadline: 0.44 s on a fast day.
     late = await client.submit(
-        MESSAGES, priority="batch", tenant="capped", max_tokens=4, deadline_s=0.5
+        MESSAGES, priority="batch", tenant="capped", max_tokens=4, deadline_s=0.1
     )
     assert await cancelled.cancel()
     assert await queued_by_tenant(client.redis, QUEUE) == {"capped": 1}  # the cancel counted

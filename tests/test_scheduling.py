@@ -44,16 +44,14 @@ async def enqueue(
 
 
 async def claim(redis: Redis, queue: str, wanted: int, *, batch_slots: int = 10**6) -> list[str]:
-    """One worker's poll: arq's read of the lowest scores, then edgeq's claim of them."""
-    now_ms = timestamp_ms()
-    candidates = [raw.decode() for raw in await redis.zrangebyscore(queue, "-inf", now_ms)]
+    """One worker's poll: edgeq's claim of the lowest scores."""
     taken = await claim_due_jobs(
-        redis, queue, candidates, wanted=wanted, wanted_batch=batch_slots,
-        ttl_ms=60_000, lease_ttl_ms=10_000, now_ms=now_ms,
+        redis, queue, wanted=wanted, wanted_batch=batch_slots, scan_limit=10_000,
+        ttl_ms=60_000, lease_ttl_ms=10_000, now_ms=timestamp_ms(),
     )  # fmt: skip
-    for job_id, _ in taken:  # finished at once: out of the queue, as arq's finish does
-        await redis.zrem(queue, job_id)
-    return [job_id for job_id, _ in taken]
+    for job in taken:  # finished at once: out of the queue, as arq's finish does
+        await redis.zrem(queue, job.job_id)
+    return [job.job_id for job in taken]
 
 
 def tenants(job_ids: list[str]) -> Counter[str]:

@@ -3,8 +3,8 @@ whole burst.
 
 arq finds jobs by polling its queue every ``poll_delay`` (500 ms by default: ~250 ms added to
 every chat) and takes them one at a time: per job a WATCH/EXISTS/ZSCORE/MULTI transaction of
-~4 Redis round trips. A burst of 64 chats then reaches the
-engine over 256 round trips, each one queued behind the streaming of the chats already
+~4 Redis round trips, then one more in ``run_job``. A burst of 64 chats then reaches the
+engine over 320 round trips, each one queued behind the streaming of the chats already
 running; and with several workers on one queue all of them walk the same ids in the same
 order, so the slower one loses every race and sits idle while jobs wait. Here:
 
@@ -12,35 +12,40 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
   waits on that channel, so a job starts within a Redis round trip of its enqueue, and an idle
   worker still looks once per ``IDLE_WAIT_S`` in case a producer did not signal;
 - while jobs run, the worker polls every ``poll_delay`` (slots free up, aborts arrive);
-- ``start_jobs`` takes as many due jobs as it has free slots in one Lua script
-  (``claim_due_jobs``), setting arq's own in-progress key as arq would: whichever worker runs
-  it first takes what it can hold, the next one takes the rest, and no job is taken twice.
-  The same step writes each job's lease (on Redis's clock, core/leases.py), so a job is never
-  taken without one: a worker that dies, or loses Redis, right after its claim still leaves
-  jobs that anyone can hand over; and it keeps the job's payload for as long as the job may
-  run (its queue deadline no longer applies once it started), so a worker continuing the job
-  after a crash still finds the request.
+- each poll is one Lua script (``claim_due_jobs``) that reads the queue's head and takes as
+  many due jobs as the worker has free slots, setting arq's own in-progress key as arq would:
+  whichever worker runs it first takes what it can hold, the next one takes the rest, and no
+  job is taken twice. The same step writes each job's lease (on Redis's clock,
+  core/leases.py), so a job is never taken without one: a worker that dies, or loses Redis,
+  right after its claim still leaves jobs that anyone can hand over; and it keeps the job's
+  payload for as long as the job may run (its queue deadline no longer applies once it
+  started), so a worker continuing the job after a crash still finds the request;
+- the same step also does what arq's ``run_job`` would do in a round trip of its own before
+  each job (read the payload, count the start, take a pending abort), so a burst of 50 jobs
+  reaches the engine after one round trip instead of 51 (``run_claimed``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from arq.connections import log_redis_info
-from arq.utils import timestamp_ms
-from arq.worker import Worker
+from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
+from arq.jobs import SerializationError, deserialize_job_raw, serialize_result
+from arq.utils import ms_to_datetime, timestamp_ms
+from arq.worker import JobExecutionFailed, Worker
 from redis.asyncio import Redis
 
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.keys import (
     aging_key,
     fair_key,
-    in_progress_key,
-    job_key,
     leases_key,
     queued_by_tenant_key,
+    retry_key,
     tenancy_key,
     tenant_of_key,
     wake_channel,
@@ -55,34 +60,47 @@ WAIT_RETRY_S = 0.5
 # Each claim moves up at most this many aged jobs (the rest wait for the next claim, one
 # poll later), so a backlog that ages all at once does not make one claim slow.
 AGING_BATCH = 64
+# arq's run_job keeps a job's start count (its retry key) this long.
+START_COUNT_TTL_S = 88_400
 
 # KEYS: the queue, the queue's leases, then its fair-queuing state, tenant-of,
-# queued-by-tenant, aging and tenancy keys (core/scheduling.py), then arq's in-progress key of
-# each candidate, then each candidate's payload key; ARGV: now (ms), how many to take, how many
-# of them may be batch jobs, the in-progress TTL (ms), the lease TTL (ms), then the candidates'
-# ids. Returns id, score, id, score, ...
+# queued-by-tenant, aging and tenancy keys (core/scheduling.py), then arq's abort set.
+# ARGV: now (ms), how many to take, how many of them may be batch jobs, the in-progress TTL
+# (ms), the lease TTL (ms), how many of the queue's due jobs to look at, then arq's key
+# prefixes for in-progress marks, payloads and start counts, and the start count's TTL (s).
+#
+# The script reads the queue's head itself, so a poll is one round trip however many
+# candidates it looks at (jobs other workers run stay in arq's queue until they finish, so the
+# head holds them too). It builds each job's keys from its id with arq's prefixes, which a
+# script may do on one Redis (and behind Sentinel). Returns, per job taken: id, score, payload
+# (false once it expired), start count (arq's job_try, counted here as arq's run_job would)
+# and whether an abort was waiting for it.
 _CLAIM = (
     lease_expiry_lua("ARGV[5]")
     + FAIR_QUEUING_LUA
     + """
 local now, wanted, batch_wanted = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local ttl = ARGV[4]
-local queue, leases, fair, tenant_of, queued, aging, tenancy = unpack(KEYS, 1, 7)
-local candidates = (#KEYS - 7) / 2
-local claimed, batch = {}, 0
-for i = 1, candidates do
-  if #claimed >= 2 * wanted then break end
-  local job_id = ARGV[i + 5]
-  local score = tonumber(redis.call('ZSCORE', queue, job_id) or nil)
-  local band = score and band_of_score(score)
+local ttl, scan_limit = ARGV[4], tonumber(ARGV[6])
+local in_progress_prefix, job_prefix, retry_prefix, retry_ttl = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local queue, leases, fair, tenant_of, queued, aging, tenancy, abort = unpack(KEYS, 1, 8)
+local head = redis.call('ZRANGEBYSCORE', queue, '-inf', now, 'WITHSCORES', 'LIMIT', 0, scan_limit)
+local claimed, taken, batch = {}, 0, 0
+for i = 1, #head, 2 do
+  if taken >= wanted then break end
+  local job_id, score = head[i], tonumber(head[i + 1])
+  local band = band_of_score(score)
   local tenant, born = queued_entry(tenant_of, job_id)
   -- Batch work keeps off the reserved slots, also once aging has moved it up.
   local is_batch = (born or band) == 2
-  if score and score <= now and (not is_batch or batch < batch_wanted)
-      and redis.call('SET', KEYS[7 + i], '1', 'NX', 'PX', ttl) then
+  if (not is_batch or batch < batch_wanted)
+      and redis.call('SET', in_progress_prefix .. job_id, '1', 'NX', 'PX', ttl) then
     if is_batch then batch = batch + 1 end
+    taken = taken + 1
     redis.call('ZADD', leases, expiry, job_id)
-    redis.call('PEXPIRE', KEYS[7 + candidates + i], ttl)
+    local payload_key = job_prefix .. job_id
+    redis.call('PEXPIRE', payload_key, ttl)
+    local starts = redis.call('INCR', retry_prefix .. job_id)
+    redis.call('EXPIRE', retry_prefix .. job_id, retry_ttl)
     -- The band's virtual clock: the largest start tag taken in it.
     local tag = score - band * BAND_SPAN
     if tag > tonumber(redis.call('HGET', fair, 'clock:' .. band) or '0') then
@@ -91,6 +109,9 @@ for i = 1, candidates do
     if tenant then dequeued(fair, tenant_of, queued, aging, job_id, band, tenant) end
     claimed[#claimed + 1] = job_id
     claimed[#claimed + 1] = exact(score)
+    claimed[#claimed + 1] = redis.call('GET', payload_key)
+    claimed[#claimed + 1] = starts
+    claimed[#claimed + 1] = redis.call('ZREM', abort, job_id)
   end
 end
 -- Aging: jobs queued long enough move up one class, into their tenant's flow there.
@@ -124,23 +145,35 @@ return claimed
 arq_logger = logging.getLogger("arq.worker")
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """A job one claim took, with what arq's ``run_job`` would have read in its own round
+    trip: the payload (None once its queue deadline passed), its start count, a pending abort."""
+
+    job_id: str
+    score: float
+    payload: bytes | None
+    job_try: int
+    aborted: bool
+
+
 async def claim_due_jobs(
     redis: Redis,
     queue: str,
-    job_ids: list[str],
     *,
     wanted: int,
     wanted_batch: int,
+    scan_limit: int,
     ttl_ms: int,
     lease_ttl_ms: int,
     now_ms: int,
-) -> list[tuple[str, float]]:
-    """Take up to ``wanted`` of ``job_ids``, in their order, in one round trip: each one that is
-    due (in the queue with a score up to ``now_ms``: not deferred, not finished) and not taken
-    (arq's in-progress key is set only if absent, for ``ttl_ms``), at most
-    ``wanted_batch`` of them of the batch class; lease each one taken
-    for ``lease_ttl_ms`` from Redis's clock, and move the fair-queuing clocks and aging on
-    (core/scheduling.py). Returns (id, score) pairs."""
+) -> list[ClaimedJob]:
+    """In one round trip, take up to ``wanted`` of the first ``scan_limit`` due jobs of the
+    queue (score up to ``now_ms``), lowest score first: each one not taken (arq's in-progress
+    key is set only if absent, for ``ttl_ms``), at most ``wanted_batch`` of them of the batch
+    class. Each one taken is leased for ``lease_ttl_ms`` from Redis's clock, its start counted
+    and its payload read as arq's ``run_job`` would; the fair-queuing clocks and aging move on
+    (core/scheduling.py)."""
     claim = redis.register_script(_CLAIM)
     claimed = await claim(
         keys=[
@@ -151,19 +184,36 @@ async def claim_due_jobs(
             queued_by_tenant_key(queue),
             aging_key(queue),
             tenancy_key(queue),
-            *(in_progress_key(job_id) for job_id in job_ids),
-            *(job_key(job_id) for job_id in job_ids),
+            abort_jobs_ss,
         ],
-        args=[now_ms, wanted, wanted_batch, ttl_ms, lease_ttl_ms, *job_ids],
+        args=[
+            now_ms,
+            wanted,
+            wanted_batch,
+            ttl_ms,
+            lease_ttl_ms,
+            scan_limit,
+            in_progress_key_prefix,
+            job_key_prefix,
+            retry_key_prefix,
+            START_COUNT_TTL_S,
+        ],
     )
     return [
-        (raw_id.decode(), float(raw_score))
-        for raw_id, raw_score in zip(claimed[::2], claimed[1::2], strict=True)
+        ClaimedJob(
+            job_id=claimed[i].decode(),
+            score=float(claimed[i + 1]),
+            payload=claimed[i + 2],
+            job_try=int(claimed[i + 3]),
+            aborted=bool(claimed[i + 4]),
+        )
+        for i in range(0, len(claimed), 5)
     ]
 
 
 class FastPickupWorker(Worker):
-    """arq's Worker with a wake-up channel and one round trip per claim (see the module doc)."""
+    """arq's Worker with a wake-up channel, one round trip per claim, and claimed jobs started
+    without a round trip of their own (see the module doc)."""
 
     _wake: Any = None
 
@@ -183,6 +233,8 @@ class FastPickupWorker(Worker):
             return await super().main()
         if self.burst:
             raise ValueError("edgeq's worker does not run in burst mode")
+        if self.retry_jobs:
+            raise ValueError("edgeq's fast pickup runs jobs without arq's Retry")
         arq_logger.info(
             "Starting worker for %d functions: %s", len(self.functions), ", ".join(self.functions)
         )
@@ -208,35 +260,135 @@ class FastPickupWorker(Worker):
                 await wake.aclose()
             await asyncio.sleep(WAIT_RETRY_S)
 
-    async def start_jobs(self, job_ids: list[bytes]) -> None:
+    async def _poll_iteration(self) -> None:
+        # arq's _poll_iteration with its read of the queue's head and start_jobs folded into
+        # one claim.
         if not self.fast_pickup:
-            return await super().start_jobs(job_ids)
+            return await super()._poll_iteration()
+        if self.allow_pick_jobs and self.job_counter < self.max_jobs:
+            await self.claim_and_start()
+        if self.allow_abort_jobs:
+            await self._cancel_aborted_jobs()
+        for job_id, task in list(self.tasks.items()):
+            if task.done():
+                del self.tasks[job_id]
+                task.result()  # an error in run_claimed surfaces here, as in arq
+        await self.heart_beat()
+
+    async def claim_and_start(self) -> None:
         free_slots = self.max_jobs - self.job_counter
-        candidates = [job_id.decode() for job_id in job_ids]
-        candidates = [job_id for job_id in candidates if job_id not in self.tasks]
-        if free_slots <= 0 or not candidates:
-            return
         now_ms = timestamp_ms()
         claimed = await claim_due_jobs(
             self.pool,
             self.queue_name,
-            candidates,
             wanted=free_slots,
             wanted_batch=max(0, free_slots - self.reserved_slots),
+            scan_limit=self.queue_read_limit,
             ttl_ms=int(self.in_progress_timeout_s * 1000),
             lease_ttl_ms=self.lease_ttl_ms,
             now_ms=now_ms,
         )
-        for job_id, _score in claimed:
+        for job in claimed:
             # What arq's start_jobs does with a job it took. job_counter < max_jobs, so the
             # semaphore (max_jobs + 1 permits) has a permit free and this does not wait.
             await self.sem.acquire()
             self.job_counter += 1
             # arq takes the score for the enqueue time (it logs "delayed" from it); edgeq's
-            # scores are fair-queuing tags, so it gets the claim's time instead.
-            task = self.loop.create_task(self.run_job(job_id, now_ms))
+            # scores are fair-queuing tags, so the job gets the claim's time instead.
+            task = self.loop.create_task(self.run_claimed(job, now_ms))
             task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
-            self.tasks[job_id] = task
+            self.tasks[job.job_id] = task
+
+    async def run_claimed(self, job: ClaimedJob, claimed_ms: int) -> None:
+        """arq's ``run_job`` for a job whose payload, start count and abort the claim already
+        read: the same outcomes (expired, aborted before start, too many starts, failed, done)
+        and the same records, without arq's round trip per job. arq's cron jobs, ``Retry`` and
+        text log lines are left out: edgeq uses none of them (its jobs log their own events)."""
+        job_id, job_try = job.job_id, job.job_try
+        function_name, enqueue_time_ms = "<unknown>", 0
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = {}
+        start_ms = timestamp_ms()
+
+        def outcome(success: bool, result: Any, finished_ms: int) -> bytes | None:
+            return serialize_result(
+                function_name, args, kwargs, job_try, enqueue_time_ms, success, result,
+                start_ms, finished_ms, f"{job_id}:{function_name}", self.queue_name,
+                job_id=job_id, serializer=self.job_serializer,
+            )  # fmt: skip
+
+        async def failed_before_start(error: BaseException) -> None:
+            self.jobs_failed += 1
+            result_data = outcome(False, error, timestamp_ms())
+            await asyncio.shield(self.finish_failed_job(job_id, result_data))
+
+        if job.payload is None:
+            return await failed_before_start(JobExecutionFailed("job expired"))
+        try:
+            function_name, args, kwargs, enqueued_try, enqueue_time_ms = deserialize_job_raw(
+                job.payload, deserializer=self.job_deserializer
+            )
+        except SerializationError as error:
+            return await failed_before_start(error)
+        if job.aborted:
+            return await failed_before_start(asyncio.CancelledError())
+        function = self.functions.get(function_name)
+        if function is None:
+            return await failed_before_start(
+                JobExecutionFailed(f"function {function_name!r} not found")
+            )
+        if enqueued_try and enqueued_try > job_try:
+            job_try = enqueued_try
+            await self.pool.setex(retry_key(job_id), START_COUNT_TTL_S, str(job_try))
+        max_tries = self.max_tries if function.max_tries is None else function.max_tries
+        if job_try > max_tries:
+            return await failed_before_start(
+                JobExecutionFailed(f"max {max_tries} retries exceeded")
+            )
+
+        ctx = {
+            **self.ctx,
+            "job_id": job_id,
+            "job_try": job_try,
+            "enqueue_time": ms_to_datetime(enqueue_time_ms),
+            "score": claimed_ms,
+        }
+        if self.on_job_start:
+            await self.on_job_start(ctx)
+        timeout_s = self.job_timeout_s if function.timeout_s is None else function.timeout_s
+        start_ms = timestamp_ms()
+        self.job_tasks[job_id] = task = self.loop.create_task(
+            function.coroutine(ctx, *args, **kwargs)
+        )
+        try:
+            result = await asyncio.wait_for(task, timeout_s)
+        except (Exception, asyncio.CancelledError) as error:
+            # As arq with retry_jobs=False: an abort, a timeout, a failure or the worker's
+            # shutdown all finish the job with the error as its result.
+            if job_id in self.aborting_tasks and isinstance(error, asyncio.CancelledError):
+                self.aborting_tasks.remove(job_id)
+            else:
+                arq_logger.exception("job %s failed, %s: %s", job_id, type(error).__name__, error)
+            success, result = False, error
+            self.jobs_failed += 1
+        else:
+            success = True
+            self.jobs_complete += 1
+        finally:
+            del self.job_tasks[job_id]
+        finished_ms = timestamp_ms()
+        keep_forever = (
+            self.keep_result_forever
+            if function.keep_result_forever is None
+            else function.keep_result_forever
+        )
+        keep_s = self.keep_result_s if function.keep_result_s is None else function.keep_result_s
+        result_data = outcome(success, result, finished_ms) if keep_forever or keep_s > 0 else None
+        if self.on_job_end:
+            await self.on_job_end(ctx)
+        await asyncio.shield(
+            self.finish_job(job_id, True, result_data, keep_s, keep_forever, None, None)
+        )
 
     async def close(self) -> None:
         if self._wake is not None:
