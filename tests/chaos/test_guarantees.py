@@ -340,9 +340,15 @@ async def test_a_chat_that_kills_every_worker_ends_worker_lost_after_the_limit(
             [first] = runs_by_worker(workers, {job.job_id}).values()
             [second] = [worker for worker in workers if worker is not first]
             assert await freeze_mid_stream(first, client.redis, {job.job_id})
+            # The second engine is frozen before the takeover, not after it: a continuation
+            # of 300 tokens once ended (0.44 s on a fast day) before the takeover was seen in
+            # the log. Its worker still takes the job over and starts the run; the run stays
+            # in flight, with nothing new generated, until the kill.
+            for process in engine_of(second):
+                process.suspend()
             await kill_and_check_engine_dies(first)
             await wait_for_takeover(second, job.job_id)  # continued once: the limit
-            assert await freeze_mid_stream(second, client.redis, {job.job_id})
+            assert await unfinished(client.redis, {job.job_id})
             await kill_and_check_engine_dies(second)
             await asyncio.wait_for(reader, 60)
             terminal = events[-1]
