@@ -203,6 +203,12 @@ async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[st
     return await unfinished(redis, job_ids)
 
 
+def thaw(worker: WorkerProcess) -> None:
+    """Resume the engine processes ``freeze_mid_stream`` suspended."""
+    for process in engine_of(worker):
+        process.resume()
+
+
 async def all_started(workers: list[WorkerProcess], job_ids: set[str]) -> dict[str, WorkerProcess]:
     async with asyncio.timeout(60):
         while len(owners := runs_by_worker(workers, job_ids)) < len(job_ids):  # noqa: ASYNC110
@@ -266,8 +272,7 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         ]
         most = max(range(len(workers)), key=lambda index: len(running[index]))
         victim, survivor = workers[most], workers[1 - most]
-        for process in engine_of(survivor):
-            process.resume()
+        thaw(survivor)
         moved = running[most]
         assert moved, "the victim was running none of the chats"
         streams = [job.stream() for job in jobs]  # read from the start: the replay buffer
@@ -352,8 +357,7 @@ async def test_a_chat_that_kills_every_worker_ends_worker_lost_after_the_limit(
                 if await unfinished(client.redis, {job.job_id}):
                     break
                 for worker in workers:
-                    for process in engine_of(worker):
-                        process.resume()
+                    thaw(worker)
                 await reader
             else:
                 pytest.fail(f"{FREEZE_ATTEMPTS} chats ended before their engine was frozen")
