@@ -1,10 +1,13 @@
-"""``edgeq bench`` and ``edgeq tune``: their options, and the code behind them imported only
-when one runs (tokenizer, numpy, matplotlib, maybe vLLM)."""
+"""``edgeq bench``, ``edgeq tune``, ``edgeq capacity`` and ``edgeq simulate-box``: their
+options, and the code behind them imported only when one runs (tokenizer, numpy, matplotlib,
+maybe vLLM)."""
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 ON_OFF = {"on": True, "off": False, "true": True, "false": False}
 
@@ -58,8 +61,92 @@ def run_tune_command(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def parse_float_list(text: str) -> list[float]:
+    """``"20,50"`` → ``[20.0, 50.0]`` (argparse type)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def run_capacity_command(args: argparse.Namespace) -> int:
+    from edgeq.bench.capacity import run_capacity_command as run
+
+    return run(args)
+
+
+def run_simulated_box_command(args: argparse.Namespace) -> int:
+    from edgeq.worker.commands import run_worker_command
+
+    def simulated_engine() -> Any:
+        from edgeq.bench.simulate import GpuRate, SimulatedEngine
+
+        return partial(
+            SimulatedEngine.start, gpu=GpuRate(step_ms=args.step_ms, prefill_ms=args.prefill_ms)
+        )
+
+    return run_worker_command(env_file=args.env_file, engine_starter=simulated_engine)
+
+
+def _gpu_rate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=30.0,
+        help="one decode step for every running chat (default: 30, Qwen3-0.6B on one GPU)",
+    )
+    parser.add_argument(
+        "--prefill-ms", type=float, default=30.0, help="chat taken → first token (default: 30)"
+    )
+
+
+def _register_capacity(commands: argparse._SubParsersAction) -> None:
+    capacity = commands.add_parser(
+        "capacity",
+        help="what one Redis carries: simulated GPU boxes streaming to real subscribers",
+    )
+    capacity.add_argument(
+        "--boxes", type=parse_int_list, default=[1, 2, 4], metavar="N,N", help="(default: 1,2,4)"
+    )
+    capacity.add_argument(
+        "--streams", type=int, default=256, help="chats in flight per box (default: 256)"
+    )
+    capacity.add_argument(
+        "--interval-ms",
+        type=parse_float_list,
+        default=[20.0],
+        metavar="MS,MS",
+        help="EDGEQ_STREAM_INTERVAL_MS of the boxes (default: 20)",
+    )
+    _gpu_rate_options(capacity)
+    capacity.add_argument(
+        "--max-tokens", type=int, default=256, help="tokens per chat (default: 256)"
+    )
+    capacity.add_argument(
+        "--warmup-s", type=float, default=10.0, help="before the window (default: 10)"
+    )
+    capacity.add_argument(
+        "--window-s", type=float, default=20.0, help="measured window (default: 20)"
+    )
+    capacity.add_argument("--rounds", type=int, default=1, help="alternating rounds (default: 1)")
+    capacity.add_argument("--out", type=Path, help="write every round's figures here (JSON)")
+    capacity.add_argument("--logs", type=Path, help="keep the boxes' logs here")
+    capacity.set_defaults(handler=run_capacity_command)
+
+    box = commands.add_parser(
+        "simulate-box",
+        help="the worker around a stand-in engine at a GPU's token rate (for `edgeq capacity`)",
+    )
+    box.add_argument("--env-file", type=Path, help="read settings from this file too")
+    _gpu_rate_options(box)
+    box.set_defaults(handler=run_simulated_box_command)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and ``tune`` to the ``edgeq`` parser."""
+    """Add ``bench``, ``tune``, ``capacity`` and ``simulate-box`` to the ``edgeq`` parser."""
     # Defaults are the seed article's workload (50 users, prompts of 64-256 tokens, 256-token
     # answers) with edgeq's own sampling defaults, sent alike to every mode.
     bench = commands.add_parser(
@@ -136,3 +223,4 @@ def register(commands: argparse._SubParsersAction) -> None:
     tune.add_argument("--out", type=Path, help="write the best configuration here (EDGEQ_* lines)")
     tune.add_argument("--plot", type=Path, help="goodput and tok/s per configuration (PNG)")
     tune.set_defaults(handler=run_tune_command)
+    _register_capacity(commands)

@@ -22,7 +22,7 @@ COMMAND_MODULES = (
     "edgeq.worker.commands",  # worker
     "edgeq.testing.commands",  # make-tiny-model
     "edgeq.deploy.commands",  # bundle
-    "edgeq.bench.commands",  # bench, tune
+    "edgeq.bench.commands",  # bench, tune, capacity, simulate-box
 )
 
 

@@ -14,6 +14,8 @@ import json
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import structlog
@@ -33,7 +35,7 @@ from edgeq.core.leases import (
 from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
-from edgeq.worker.engine import ChatEngine, describe_device
+from edgeq.worker.engine import ChatEngine
 from edgeq.worker.jobs import chat
 from edgeq.worker.metrics import WorkerMetrics, serve_metrics
 from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
@@ -52,6 +54,10 @@ LEASE_RENEWALS_PER_TTL = 4
 REDIS_RETRY_S = 0.5
 
 log = structlog.get_logger("edgeq.worker")
+
+#: Builds the worker's one engine from its settings: vLLM's (``ChatEngine.start``), or a
+#: stand-in at a GPU's token rate for capacity runs (edgeq.bench.simulate).
+EngineStarter = Callable[[WorkerSettings], Awaitable[ChatEngine]]
 
 
 def worker_id() -> str:
@@ -200,19 +206,19 @@ async def keep_alive(state: WorkerState) -> None:
         await asyncio.sleep(max(0.0, period_s - (time.monotonic() - began)))
 
 
-async def start_engine(ctx: dict[str, Any]) -> None:
+async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngine.start) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
     state = worker_state(ctx)
     settings = state.settings
     # First, so producers' enqueues apply this box's weights and caps while the engine builds.
     await publish_tenancy(state.redis, settings.queue, settings.tenancy)
     began = time.monotonic()
-    engine = await ChatEngine.start(settings)
+    engine = await starter(settings)
     built = time.monotonic()
     if settings.warmup:
         await engine.warm_up()
     state.engine = engine
-    state.device = describe_device(settings)
+    state.device = engine.device
     state.background.append(asyncio.create_task(keep_alive(state)))
     log.info(
         "worker_ready",
@@ -249,7 +255,11 @@ async def stop_engine(ctx: dict[str, Any]) -> None:
 
 
 def build_worker(
-    settings: WorkerSettings, *, process_started: float, metrics: WorkerMetrics
+    settings: WorkerSettings,
+    *,
+    process_started: float,
+    metrics: WorkerMetrics,
+    engine_starter: EngineStarter = ChatEngine.start,
 ) -> EdgeqWorker:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
     state = WorkerState(
@@ -273,7 +283,7 @@ def build_worker(
         ],
         queue_name=settings.queue,
         redis_pool=redis,
-        on_startup=start_engine,
+        on_startup=partial(start_engine, starter=engine_starter),
         on_shutdown=stop_engine,
         max_jobs=settings.arq_max_jobs,
         poll_delay=settings.poll_delay_ms / 1000,
@@ -292,13 +302,20 @@ def build_worker(
     )
 
 
-def run_worker(settings: WorkerSettings, *, process_started: float) -> None:
+def run_worker(
+    settings: WorkerSettings,
+    *,
+    process_started: float,
+    engine_starter: EngineStarter = ChatEngine.start,
+) -> None:
     """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
     EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
     metrics = WorkerMetrics(tenants=settings.tenancy.named_tenants)
     if settings.metrics_port:
         serve_metrics(settings.metrics_host, settings.metrics_port)
-    worker = build_worker(settings, process_started=process_started, metrics=metrics)
+    worker = build_worker(
+        settings, process_started=process_started, metrics=metrics, engine_starter=engine_starter
+    )
     worker.fast_pickup = settings.fast_pickup
     worker.lease_ttl_ms = int(settings.lease_ttl_s * 1000)
     worker.reserved_slots = settings.arq_reserved_slots

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -20,8 +22,15 @@ from edgeq.core.settings import load_settings
 from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_UNAVAILABLE
 from edgeq.worker.settings import WorkerSettings
 
+if TYPE_CHECKING:  # the app module imports vLLM
+    from edgeq.worker.app import EngineStarter
 
-def run_worker_command(*, env_file: Path | None) -> int:
+
+def run_worker_command(
+    *, env_file: Path | None, engine_starter: Callable[[], EngineStarter] | None = None
+) -> int:
+    """``edgeq worker``; ``engine_starter`` gives another engine than vLLM's, once the
+    settings are valid (``edgeq simulate-box``)."""
     process_started = time.monotonic()
     try:
         settings = load_settings(WorkerSettings, env_file=env_file)
@@ -44,7 +53,12 @@ def run_worker_command(*, env_file: Path | None) -> int:
         # Redis is first used before the engine starts (arq reads its INFO): an unreachable
         # one, or a certificate that does not verify, ends the start at once with 69.
         with redis_errors(settings.redis_url):
-            run_worker(settings, process_started=process_started)
+            if engine_starter is None:
+                run_worker(settings, process_started=process_started)
+            else:
+                run_worker(
+                    settings, process_started=process_started, engine_starter=engine_starter()
+                )
     except ConfigError as error:
         print(f"edgeq worker: {error}", file=sys.stderr)
         return EXIT_CONFIG

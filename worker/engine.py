@@ -132,6 +132,11 @@ class ChatEngine:
         async for _ in self.generate(prompt, params, f"warmup-{uuid.uuid4().hex}"):
             pass
 
+    @property
+    def device(self) -> str:
+        """What the engine runs on, for ``edgeq status``."""
+        return describe_device(self.settings)
+
     def shutdown(self) -> None:
         self.llm.shutdown()
         self._render_thread.shutdown(wait=False, cancel_futures=True)

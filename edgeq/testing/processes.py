@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,17 +52,18 @@ def spawn_edgeq(
     env: Mapping[str, str],
     log_path: Path,
     *,
+    args: Sequence[str] = (),
     python: str = sys.executable,
     cwd: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``edgeq COMMAND`` as a child with stdout and stderr in ``log_path``, in a session of its
-    own: a signal for the caller (Ctrl-C in a test run) is not one for the child. ``python``
+    """``edgeq COMMAND [ARGS]`` as a child with stdout and stderr in ``log_path``, in a session
+    of its own: a signal for the caller (Ctrl-C in a test run) is not one for the child. ``python``
     is the interpreter of the edgeq to run (another venv's, for an installed wheel), ``cwd``
     its working directory (``python -m`` puts it first on the import path)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [python, "-m", "edgeq", command],
+            [python, "-m", "edgeq", command, *args],
             env=env,
             cwd=cwd,
             stdout=log,
@@ -158,10 +159,13 @@ class WorkerFailed(RuntimeError):
 
 @dataclass
 class WorkerProcess:
-    """``edgeq worker`` as a child process with its settings in the environment."""
+    """``edgeq worker`` as a child process with its settings in the environment (or another
+    command that runs the worker, such as ``edgeq simulate-box``)."""
 
     env: Mapping[str, str]
     log_path: Path
+    command: str = "worker"
+    args: Sequence[str] = ()
     process: subprocess.Popen[bytes] | None = None
     ready_event: dict[str, object] | None = None
     metrics_port: int | None = None
@@ -175,7 +179,9 @@ class WorkerProcess:
         self.metrics_port = int(env["EDGEQ_METRICS_PORT"]) or None
         if env.get("EDGEQ_LOG_LEVEL", "info").lower() not in READY_LOG_LEVELS:
             env["EDGEQ_LOG_LEVEL"] = "info"  # the ready event is an info line
-        self.process = spawn_edgeq("worker", env, self.log_path, python=self.python, cwd=self.cwd)
+        self.process = spawn_edgeq(
+            self.command, env, self.log_path, args=self.args, python=self.python, cwd=self.cwd
+        )
         return self
 
     def wait_ready(self, timeout_s: float = DEFAULT_READY_TIMEOUT_S) -> dict[str, object]:
