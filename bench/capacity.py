@@ -37,7 +37,7 @@ from typing import Any
 import redis
 
 from edgeq.core.keys import events_key
-from edgeq.core.protocol import DeltaEvent, DoneEvent
+from edgeq.core.protocol import DeltaEvent, ErrorEvent
 from edgeq.testing.processes import RedisServer, WorkerProcess
 
 QUEUE = "edgeq:capacity"
@@ -74,9 +74,13 @@ class CapacityPlan:
 class SubscriberReport:
     deltas: int
     terminals: int
-    errors: int
+    #: What went wrong, by error event code or by the client's exception class.
+    errors: dict[str, int]
     tokens: int
     latencies_s: list[float]
+
+    def failed(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
 
 
 @dataclass
@@ -99,6 +103,7 @@ class CapacityRow:
     latency_p50_ms: float
     latency_p99_ms: float
     errors: int
+    error_kinds: dict[str, int]
 
 
 def _last_stamp(text: str) -> float:
@@ -112,10 +117,11 @@ async def _follow(
     max_tokens: int,
     chat_s: float,
     window: tuple[float, float],
+    max_in_flight: int,
 ) -> SubscriberReport:
     from edgeq.producer.client import ChatClient
 
-    report = SubscriberReport(deltas=0, terminals=0, errors=0, tokens=0, latencies_s=[])
+    report = SubscriberReport(deltas=0, terminals=0, errors={}, tokens=0, latencies_s=[])
     start, end = window
 
     async def user() -> None:
@@ -132,9 +138,11 @@ async def _follow(
                     report.latencies_s.append(now - _last_stamp(event.text))
                 else:
                     report.terminals += 1
-                    report.errors += not isinstance(event, DoneEvent)
+                    if isinstance(event, ErrorEvent):
+                        report.failed(event.code)
 
-    async with ChatClient.from_url(redis_url, queue=QUEUE) as client:
+    # Every box's batch may be in flight at once: the queue's cap must not refuse them.
+    async with ChatClient.from_url(redis_url, queue=QUEUE, max_queue=max_in_flight) as client:
         tasks = [asyncio.create_task(user()) for _ in range(users)]
         await asyncio.sleep(max(0.0, end - time.time()))
         for task in tasks:
@@ -142,7 +150,7 @@ async def _follow(
         results = await asyncio.gather(*tasks, return_exceptions=True)
     for result in results:
         if isinstance(result, Exception):
-            report.errors += 1
+            report.failed(type(result).__name__)
     return report
 
 
@@ -152,10 +160,12 @@ def follow_streams(
     max_tokens: int,
     chat_s: float,
     window: tuple[float, float],
+    max_in_flight: int,
     out: Connection,
 ) -> None:
     """A subscriber process: ``users`` chats in flight until the window ends."""
-    out.send(asdict(asyncio.run(_follow(redis_url, users, max_tokens, chat_s, window))))
+    report = asyncio.run(_follow(redis_url, users, max_tokens, chat_s, window, max_in_flight))
+    out.send(asdict(report))
     out.close()
 
 
@@ -199,6 +209,14 @@ def _replay_bytes_per_event(client: redis.Redis) -> float:
     return used / events if events else 0.0
 
 
+def _merged(counts: Sequence[dict[str, int]]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for count in counts:
+        for what, times in count.items():
+            merged[what] = merged.get(what, 0) + times
+    return merged
+
+
 def _percentile(values: Sequence[float], fraction: float) -> float:
     if not values:
         return float("nan")
@@ -240,7 +258,10 @@ def measure_configuration(
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=follow_streams,
-                args=(server.url, plan.streams, plan.max_tokens, chat_s, window, send),
+                args=(
+                    *(server.url, plan.streams, plan.max_tokens, chat_s, window),
+                    *(2 * boxes * plan.streams, send),
+                ),
             )
             process.start()
             subscribers.append((process, receive))
@@ -288,7 +309,8 @@ def measure_configuration(
             delivered_fraction=round(delivered / planned, 3),
             latency_p50_ms=round(1000 * _percentile(latencies, 0.50), 2),
             latency_p99_ms=round(1000 * _percentile(latencies, 0.99), 2),
-            errors=sum(report.errors for report in reports),
+            errors=sum(sum(report.errors.values()) for report in reports),
+            error_kinds=_merged([report.errors for report in reports]),
         )
     finally:
         for process, _ in subscribers:
@@ -372,6 +394,7 @@ def run_capacity(
                     f"  {row.events_per_s:,.0f} events/s, Redis {row.redis_cpu_percent:g} % "
                     f"({row.redis_cpu_us_per_event:g} µs/event), delivered "
                     f"{row.delivered_fraction:.0%}, p99 {row.latency_p99_ms:g} ms"
+                    + (f", errors {row.error_kinds}" if row.errors else "")
                 )
                 rows.append(row)
     return rows
