@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -35,6 +34,7 @@ from edgeq.core.errors import (
     StreamBroken,
 )
 from edgeq.core.events import EventLog, finished_with, read_events
+from edgeq.core.keys import new_job_id
 from edgeq.core.leases import abandoned, declare_lost, hand_over, lease_expired
 from edgeq.core.protocol import (
     ChatMessage,
@@ -294,7 +294,7 @@ class ChatClient:
         )
         if problem:
             raise InvalidRequest(problem)
-        job = await self._subscribe(uuid.uuid4().hex, after_seq=-1)
+        job = await self._subscribe(new_job_id(settings.queue), after_seq=-1)
         try:
             with redis_errors(settings.redis_url):
                 outcome, tenant_cap = await self.queue.enqueue(

@@ -4,6 +4,8 @@ set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
+# redis-cli builds the test Redis Cluster; redis-benchmark drives scripts/measure_redis_ceiling.py.
+{ command -v redis-cli && command -v redis-benchmark; } >/dev/null || missing+=(redis-tools)
 # systemd-analyze, for tests/test_units.py (offline: systemd is not started).
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 # systemd-nspawn, for tests/box (a container that boots systemd: the units under a real PID 1).

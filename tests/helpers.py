@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -212,3 +213,148 @@ class SentinelServer:
         if self.process is not None:
             stop_process(self.process, signal.SIGTERM)
         self.process = None
+
+
+# --- Redis Cluster -----------------------------------------------------------------------------
+
+CLUSTER_START_TIMEOUT_S = 30.0
+# Short, so a forced failover is agreed on quickly; long enough for a loaded 2-core machine.
+CLUSTER_NODE_TIMEOUT_MS = 5000
+
+
+# A cluster node also listens on its port + 10000 (the cluster bus).
+CLUSTER_BUS_OFFSET = 10_000
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port is free too."""
+    while True:
+        port = free_port()
+        if port + CLUSTER_BUS_OFFSET >= 65536:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+
+
+@dataclass
+class LocalCluster:
+    """A throw-away Redis Cluster on loopback: ``primaries`` primaries with one replica each,
+    made with ``redis-cli --cluster create`` from Debian's redis-server, no persistence.
+
+        cluster = LocalCluster(tmp_path).start()
+        env = engine_env(model, cluster.url, "{edgeq:queue}")
+        ...
+        cluster.stop()
+    """
+
+    directory: Path
+    primaries: int = 3
+    ports: list[int] = field(default_factory=list)
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """EDGEQ_REDIS_URL naming two of the nodes as seeds."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports[:2])
+
+    def start(self) -> LocalCluster:
+        binary = redis_server_binary()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.ports = [_cluster_port() for _ in range(2 * self.primaries)]
+        try:
+            for port in self.ports:
+                self.processes.append(
+                    subprocess.Popen(
+                        [
+                            *(binary, "--port", str(port), "--bind", "127.0.0.1"),
+                            *("--cluster-enabled", "yes", "--dir", str(self.directory)),
+                            *("--cluster-config-file", f"nodes-{port}.conf"),
+                            *("--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)),
+                            *("--save", "", "--appendonly", "no"),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            for port in self.ports:
+                wait_for_port(port, timeout_s=10)
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{port}" for port in self.ports),
+                    *("--cluster-replicas", "1", "--cluster-yes"),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            self.wait_until_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def node(self, port: int) -> redis.Redis:
+        return redis.Redis(port=port, socket_timeout=5)
+
+    def wait_until_ok(self, timeout_s: float = CLUSTER_START_TIMEOUT_S) -> None:
+        """Until every node says the cluster is ok and they agree on every slot's owner."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states, owners = set(), set()
+            for port in self.ports:
+                with self.node(port) as node:
+                    states.add(node.execute_command("CLUSTER INFO").get("cluster_state"))
+                    owners.add(tuple(sorted(self._primaries_of(node))))
+            if states == {"ok"} and len(owners) == 1:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster is not ok: {states}, {len(owners)} views")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _primaries_of(node: redis.Redis) -> list[tuple[int, int, int]]:
+        """(first slot, last slot, primary port) of each slot range, as ``node`` sees them."""
+        return [
+            (int(first), int(last), int(primary[1]))
+            for first, last, primary, *_ in node.execute_command("CLUSTER SLOTS")
+        ]
+
+    def owner(self, slot: int) -> int:
+        """The port of the primary serving ``slot`` now."""
+        with self.node(self.ports[0]) as node:
+            for first, last, port in self._primaries_of(node):
+                if first <= slot <= last:
+                    return port
+        raise LookupError(f"no node serves slot {slot}")
+
+    def replicas_of(self, primary_port: int) -> list[int]:
+        with self.node(primary_port) as node:
+            info = node.info("replication")
+        return [int(info[f"slave{n}"]["port"]) for n in range(int(info["connected_slaves"]))]
+
+    def fail_over(self, slot: int) -> tuple[int, int]:
+        """Promote the replica of ``slot``'s primary (``CLUSTER FAILOVER``, no writes lost);
+        (old primary, new primary) once every node agrees."""
+        old = self.owner(slot)
+        new = self.replicas_of(old)[0]
+        with self.node(new) as node:
+            node.execute_command("CLUSTER FAILOVER")
+        deadline = time.monotonic() + CLUSTER_START_TIMEOUT_S
+        while self.owner(slot) != new:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the replica :{new} did not take over slot {slot}")
+            time.sleep(0.05)
+        self.wait_until_ok()
+        return old, new
+
+    def stop(self) -> None:
+        for process in self.processes:
+            stop_process(process, signal.SIGTERM)
+        self.processes = []

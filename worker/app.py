@@ -21,10 +21,11 @@ from typing import Any
 import structlog
 from arq.worker import func
 
+from edgeq.core.cluster import is_cluster_url
 from edgeq.core.connection import REDIS_ERRORS, make_redis, tls_hint
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
-from edgeq.core.keys import health_check_key
+from edgeq.core.keys import cluster_abort_set_key, health_check_key
 from edgeq.core.leases import (
     LOST_MESSAGE,
     Handover,
@@ -319,4 +320,6 @@ def run_worker(
     worker.fast_pickup = settings.fast_pickup
     worker.lease_ttl_ms = int(settings.lease_ttl_s * 1000)
     worker.reserved_slots = settings.arq_reserved_slots
+    if is_cluster_url(settings.redis_url):
+        worker.abort_set = cluster_abort_set_key(settings.queue)
     worker.run()

@@ -22,7 +22,11 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
   started), so a worker continuing the job after a crash still finds the request;
 - the same step also does what arq's ``run_job`` would do in a round trip of its own before
   each job (read the payload, count the start, take a pending abort), so a burst of 50 jobs
-  reaches the engine after one round trip instead of 51 (``run_claimed``).
+  reaches the engine after one round trip instead of 51 (``run_claimed``);
+- arq's abort set is a worker attribute (``abort_set``): ``arq:abort`` is one key for every
+  queue, in a slot of its own, so on a Redis Cluster each queue has its own
+  (``{queue}:abort``, core/keys.py) and arq's finish steps, which take a job out of the
+  abort set in the same transaction as its other keys, are redone here with it.
 """
 
 from __future__ import annotations
@@ -33,9 +37,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from arq.connections import log_redis_info
-from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
+from arq.constants import (
+    abort_job_max_age,
+    abort_jobs_ss,
+    in_progress_key_prefix,
+    job_key_prefix,
+    result_key_prefix,
+    retry_key_prefix,
+)
 from arq.jobs import SerializationError, deserialize_job_raw, serialize_result
-from arq.utils import ms_to_datetime, timestamp_ms
+from arq.utils import ms_to_datetime, timestamp_ms, to_ms
 from arq.worker import JobExecutionFailed, Worker
 from redis.asyncio import Redis
 
@@ -167,13 +178,15 @@ async def claim_due_jobs(
     ttl_ms: int,
     lease_ttl_ms: int,
     now_ms: int,
+    abort_set: str = abort_jobs_ss,
 ) -> list[ClaimedJob]:
     """In one round trip, take up to ``wanted`` of the first ``scan_limit`` due jobs of the
     queue (score up to ``now_ms``), lowest score first: each one not taken (arq's in-progress
     key is set only if absent, for ``ttl_ms``), at most ``wanted_batch`` of them of the batch
     class. Each one taken is leased for ``lease_ttl_ms`` from Redis's clock, its start counted
     and its payload read as arq's ``run_job`` would; the fair-queuing clocks and aging move on
-    (core/scheduling.py)."""
+    (core/scheduling.py). ``abort_set``: where aborts of queued jobs wait (arq's, or the
+    queue's own on a cluster)."""
     claim = redis.register_script(_CLAIM)
     claimed = await claim(
         keys=[
@@ -184,7 +197,7 @@ async def claim_due_jobs(
             queued_by_tenant_key(queue),
             aging_key(queue),
             tenancy_key(queue),
-            abort_jobs_ss,
+            abort_set,
         ],
         args=[
             now_ms,
@@ -226,6 +239,8 @@ class FastPickupWorker(Worker):
     #: False gives arq's own polling back (EDGEQ_FAST_PICKUP=false): for comparisons, and as
     #: a way out should a future arq change the internals overridden here.
     fast_pickup = True
+    #: Where arq's aborts wait: arq's own set, or the queue's on a Redis Cluster.
+    abort_set = abort_jobs_ss
 
     async def main(self) -> None:
         # arq's main() with its sleep replaced by _wait_for_work(); burst mode is not used here.
@@ -287,6 +302,7 @@ class FastPickupWorker(Worker):
             ttl_ms=int(self.in_progress_timeout_s * 1000),
             lease_ttl_ms=self.lease_ttl_ms,
             now_ms=now_ms,
+            abort_set=self.abort_set,
         )
         for job in claimed:
             # What arq's start_jobs does with a job it took. job_counter < max_jobs, so the
@@ -389,6 +405,73 @@ class FastPickupWorker(Worker):
         await asyncio.shield(
             self.finish_job(job_id, True, result_data, keep_s, keep_forever, None, None)
         )
+
+    async def finish_job(
+        self,
+        job_id: str,
+        finish: bool,
+        result_data: bytes | None,
+        result_timeout_s: float | None,
+        keep_result_forever: bool,
+        incr_score: int | None,
+        keep_in_progress: float | None,
+    ) -> None:
+        # arq's finish_job, with the abort set this worker uses.
+        async with self.pool.pipeline(transaction=True) as tr:
+            delete_keys = []
+            in_progress_key = in_progress_key_prefix + job_id
+            if keep_in_progress is None:
+                delete_keys.append(in_progress_key)
+            else:
+                tr.pexpire(in_progress_key, to_ms(keep_in_progress))
+            if finish:
+                if result_data:
+                    expire = None if keep_result_forever else result_timeout_s
+                    tr.set(result_key_prefix + job_id, result_data, px=to_ms(expire))
+                delete_keys += [retry_key_prefix + job_id, job_key_prefix + job_id]
+                tr.zrem(self.abort_set, job_id)
+                tr.zrem(self.queue_name, job_id)
+            elif incr_score:
+                tr.zincrby(self.queue_name, incr_score, job_id)
+            if delete_keys:
+                tr.delete(*delete_keys)
+            await tr.execute()
+
+    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
+        # arq's finish_failed_job, with the abort set this worker uses.
+        async with self.pool.pipeline(transaction=True) as tr:
+            tr.delete(
+                retry_key_prefix + job_id, in_progress_key_prefix + job_id, job_key_prefix + job_id
+            )
+            tr.zrem(self.abort_set, job_id)
+            tr.zrem(self.queue_name, job_id)
+            keep_result = self.keep_result_forever or self.keep_result_s > 0
+            if result_data is not None and keep_result:
+                expire = 0 if self.keep_result_forever else self.keep_result_s
+                tr.set(result_key_prefix + job_id, result_data, px=to_ms(expire))
+            await tr.execute()
+
+    async def _cancel_aborted_jobs(self) -> None:
+        # arq's, with the abort set this worker uses.
+        async with self.pool.pipeline(transaction=True) as pipe:
+            pipe.zrange(self.abort_set, start=0, end=-1)
+            pipe.zremrangebyscore(
+                self.abort_set, min=timestamp_ms() + abort_job_max_age, max=float("inf")
+            )
+            abort_job_ids, _ = await pipe.execute()
+        aborted: set[str] = set()
+        for job_id_bytes in abort_job_ids:
+            job_id = job_id_bytes.decode()
+            try:
+                task = self.job_tasks[job_id]
+            except KeyError:
+                pass
+            else:
+                aborted.add(job_id)
+                task.cancel()
+        if aborted:
+            self.aborting_tasks.update(aborted)
+            await self.pool.zrem(self.abort_set, *aborted)
 
     async def close(self) -> None:
         if self._wake is not None:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
+from edgeq.core.cluster import is_cluster_url
 from edgeq.core.logs import LogLevel
 from edgeq.core.scheduling import TENANT_PATTERN, Tenancy
 from edgeq.core.settings import ConnectionSettings
@@ -202,6 +203,15 @@ class WorkerSettings(ConnectionSettings):
             raise ValueError(
                 f"EDGEQ_RESERVED_SLOTS ({self.reserved_slots}) must be below "
                 f"EDGEQ_MAX_JOBS ({self.arq_max_jobs}), or no batch job could ever run"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_needs_fast_pickup(self) -> WorkerSettings:
+        if is_cluster_url(self.redis_url) and not self.fast_pickup:
+            raise ValueError(
+                "EDGEQ_FAST_PICKUP=false cannot run on a Redis Cluster: arq's own job start "
+                "takes jobs out of arq's abort set, which lives outside the queue's slot"
             )
         return self
 

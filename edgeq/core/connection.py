@@ -1,5 +1,6 @@
-"""The one way edgeq opens Redis: a pooled client per process, plain or through Sentinels,
-with bounded timeouts (knob 6 of the seed), and one translation of redis-py's errors."""
+"""The one way edgeq opens Redis: a pooled client per process, plain, through Sentinels or to
+the queue's primary in a Redis Cluster, with bounded timeouts (knob 6 of the seed), and one
+translation of redis-py's errors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from arq.connections import ArqRedis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
+from edgeq.core.cluster import SlotOwnerConnection, is_cluster_url, parse_cluster_url, queue_slot
 from edgeq.core.errors import RedisUnavailable
 from edgeq.core.protocol import dump_json, load_json
 from edgeq.core.sentinel import is_sentinel_url, parse_sentinel_url
@@ -40,7 +42,9 @@ def make_redis(
     blocking Sentinel pool: a cap there would fail commands instead of queueing them).
 
     With a ``redis+sentinel://`` URL the pool asks the Sentinels where the master is before
-    each new connection, and again after a failover (as arq's own ``create_pool`` does).
+    each new connection, and again after a failover (as arq's own ``create_pool`` does); with
+    a ``redis+cluster://`` URL it asks the cluster which primary owns the queue's slot
+    (core/cluster.py).
     """
     sockets: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_connect_timeout_s,
@@ -49,16 +53,30 @@ def make_redis(
     if not settings.redis_url.startswith("unix://"):  # a Unix socket has no TCP keepalive
         sockets["socket_keepalive"] = True
     if not is_sentinel_url(settings.redis_url):
-        if max_connections is None:
-            pool = ConnectionPool.from_url(
-                settings.redis_url, health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S, **sockets
+        pool_class = ConnectionPool if max_connections is None else BlockingConnectionPool
+        capped: dict[str, Any] = {}
+        if max_connections is not None:
+            capped = {
+                "max_connections": max_connections,
+                "timeout": settings.redis_socket_timeout_s,
+            }
+        if is_cluster_url(settings.redis_url):
+            target = parse_cluster_url(settings.redis_url)
+            pool = pool_class(
+                connection_class=SlotOwnerConnection,
+                seeds=target.seeds,
+                slot=queue_slot(settings.queue),
+                username=target.username,
+                password=target.password,
+                health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S,
+                **capped,
+                **sockets,
             )
         else:
-            pool = BlockingConnectionPool.from_url(
+            pool = pool_class.from_url(
                 settings.redis_url,
                 health_check_interval=REDIS_HEALTH_CHECK_INTERVAL_S,
-                max_connections=max_connections,
-                timeout=settings.redis_socket_timeout_s,
+                **capped,
                 **sockets,
             )
         return ArqRedis(

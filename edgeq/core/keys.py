@@ -4,12 +4,17 @@ A producer in another language needs only these (README, "Wire contract"). arq's
 prefixes come from ``arq.constants``, so an arq that renamed them would be noticed here and
 nowhere else.
 
-Per job (the braces are Redis Cluster hash tags: one job's keys live in one slot):
+Per job:
 
-- ``arq:job:{id}``: the payload, as arq stores it; ``arq:in-progress:{id}``: taken by a worker;
-  ``arq:result:{id}``: arq's result record;
+- ``arq:job:<id>``: the payload, as arq stores it; ``arq:in-progress:<id>``: taken by a
+  worker; ``arq:retry:<id>``: its start count; ``arq:result:<id>``: arq's result record;
 - ``edgeq:events:{<id>}``: the replay stream; ``edgeq:terminal:{<id>}``: set with the terminal
   event; ``edgeq:stream:<id>``: the pub/sub channel the events are published on.
+
+On a Redis Cluster (core/cluster.py) the queue's name carries a hash tag, ``{edgeq:queue}``,
+and every job id begins with it (``{edgeq:queue}3f2a…``, ``new_job_id``): then all of a
+queue's keys, arq's per-job keys too, live in the queue's slot. A job id that carries a tag is
+not wrapped in braces again: its streams are ``edgeq:events:<id>`` and ``edgeq:terminal:<id>``.
 
 Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job ids):
 
@@ -19,10 +24,14 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
 - ``{queue}:outcomes:{minute}``: hash, outcome -> jobs that ended that minute;
 - ``{queue}:tenancy``, ``{queue}:fair``, ``{queue}:tenant-of``, ``{queue}:queued-by-tenant``
   and ``{queue}:aging``: priority classes and tenants' fair shares (core/scheduling.py);
-- ``{queue}:health-check:{worker id}``: arq's health record, one per worker.
+- ``{queue}:health-check:{worker id}``: arq's health record, one per worker;
+- ``{queue}:abort``: on a Redis Cluster only, arq's abort set for this queue (elsewhere arq's
+  own ``arq:abort``, one set for every queue).
 """
 
 from __future__ import annotations
+
+import uuid
 
 from arq.constants import (
     in_progress_key_prefix,
@@ -31,9 +40,24 @@ from arq.constants import (
     retry_key_prefix,
 )
 
+from edgeq.core.cluster import hash_tag
+
 STREAM_CHANNEL_PREFIX = "edgeq:stream:"
 #: Outcome tallies are counted per minute.
 OUTCOME_BUCKET_S = 60
+
+
+def new_job_id(queue: str) -> str:
+    """A fresh job id for ``queue``: 32 hex digits, after the queue's hash tag if it has one
+    (a queue on a Redis Cluster)."""
+    tag = hash_tag(queue)
+    return f"{{{tag}}}{uuid.uuid4().hex}" if tag is not None else uuid.uuid4().hex
+
+
+def _in_job_slot(job_id: str) -> str:
+    """The job id as the part of a key that decides its slot: itself if it carries a hash
+    tag (the queue's), else wrapped in braces, so a job's streams share one slot."""
+    return job_id if hash_tag(job_id) is not None else f"{{{job_id}}}"
 
 
 def job_key(job_id: str) -> str:
@@ -63,12 +87,12 @@ def stream_channel(job_id: str) -> str:
 
 def events_key(job_id: str) -> str:
     """The job's replay stream: every event it published, by seq."""
-    return f"edgeq:events:{{{job_id}}}"
+    return f"edgeq:events:{_in_job_slot(job_id)}"
 
 
 def terminal_key(job_id: str) -> str:
     """Exists once the job's terminal event is written; nothing is accepted after it."""
-    return f"edgeq:terminal:{{{job_id}}}"
+    return f"edgeq:terminal:{_in_job_slot(job_id)}"
 
 
 def wake_channel(queue: str) -> str:
@@ -126,3 +150,10 @@ def aging_key(queue: str) -> str:
     """A sorted set per queue: queued job id -> when it moves up one priority class (Unix ms,
     Redis's clock)."""
     return f"{queue}:aging"
+
+
+def cluster_abort_set_key(queue: str) -> str:
+    """arq's abort set for one queue on a Redis Cluster: arq's own ``arq:abort`` serves every
+    queue and lives in a slot of its own, which arq's transactions cannot reach from the
+    queue's (worker/pickup.py)."""
+    return f"{queue}:abort"

@@ -60,7 +60,14 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
             raise ValueError(f"write the credentials as [username]:password@ ({SENTINEL_FORMAT})")
         user, _, secret = userinfo.partition(":")
         username, password = unquote(user) or None, unquote(secret)
-    hosts = tuple(_host_port(item) for item in hostlist.split(",")) if hostlist else ()
+    hosts = (
+        tuple(
+            parse_host_port(item, what="Sentinel", url_format=SENTINEL_FORMAT)
+            for item in hostlist.split(",")
+        )
+        if hostlist
+        else ()
+    )
     if not hosts:
         raise ValueError(f"names no Sentinel host:port ({SENTINEL_FORMAT})")
     service, *rest = parts.path.removeprefix("/").split("/")
@@ -91,11 +98,12 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     )
 
 
-def _host_port(item: str) -> tuple[str, int]:
-    bracketed = item.startswith("[")  # [IPv6]:port
+def parse_host_port(item: str, *, what: str, url_format: str) -> tuple[str, int]:
+    """``host:port`` (``[IPv6]:port``) of one of a URL's hosts; ValueError names ``what``."""
+    bracketed = item.startswith("[")
     host, _, port = item[1:].partition("]:") if bracketed else item.rpartition(":")
     if not host or ("]" if bracketed else ":") in host:
-        raise ValueError(f"Sentinel {item!r} is not host:port ({SENTINEL_FORMAT})")
+        raise ValueError(f"{what} {item!r} is not host:port ({url_format})")
     if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"Sentinel {item!r} has no valid port (1-65535) ({SENTINEL_FORMAT})")
+        raise ValueError(f"{what} {item!r} has no valid port (1-65535) ({url_format})")
     return host, int(port)

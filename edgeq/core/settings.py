@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from edgeq.core.cluster import hash_tag, is_cluster_url, parse_cluster_url
 from edgeq.core.errors import ConfigError
 from edgeq.core.scheduling import DEFAULT_TENANT, TENANT_PATTERN
 from edgeq.core.sentinel import is_sentinel_url, parse_sentinel_url
@@ -129,13 +130,27 @@ class ConnectionSettings(BaseSettings):
         if is_sentinel_url(value):
             parse_sentinel_url(value)  # its ValueError says what is wrong (no password in it)
             return value
+        if is_cluster_url(value):
+            parse_cluster_url(value)
+            return value
         scheme = urlsplit(value).scheme
         if scheme not in {"redis", "rediss", "unix"}:
             raise ValueError(
-                "must start with redis://, rediss://, unix://, redis+sentinel:// "
-                "or rediss+sentinel://"
+                "must start with redis://, rediss://, unix://, redis+sentinel://, "
+                "rediss+sentinel:// or redis+cluster://"
             )
         return value
+
+    @model_validator(mode="after")
+    def _queue_in_one_slot(self) -> Self:
+        # Every key of a queue must hash to one slot; the queue's name carries the tag.
+        if is_cluster_url(self.redis_url) and hash_tag(self.queue) is None:
+            raise ValueError(
+                f"EDGEQ_QUEUE: on a Redis Cluster the queue's name needs a hash tag, so all of "
+                f"its keys live in one slot: write it in braces, e.g. {{{self.queue}}} "
+                f"(got {self.queue!r})"
+            )
+        return self
 
 
 def redacted_url(url: str) -> str:
@@ -148,7 +163,7 @@ def redacted_url(url: str) -> str:
     userinfo, at, hosts = netloc.rpartition("@")
     if at and ":" in userinfo:
         netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    elif at and is_sentinel_url(url):  # refused there: may be a password missing its ':'
+    elif at and (is_sentinel_url(url) or is_cluster_url(url)):  # refused: a password without ":"?
         netloc = f"***@{hosts}"
     return QUERY_PASSWORD.sub(r"\1***", f"{scheme}{sep}{netloc}{slash}{path}")
 

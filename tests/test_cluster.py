@@ -1,0 +1,218 @@
+"""edgeq on a real Redis Cluster: 3 primaries + 3 replicas of Debian's redis-server on loopback,
+made with `redis-cli --cluster create`, a real worker on the tiny model, real clients.
+
+Every key of a queue lives in the queue's slot (edgeq.core.cluster): chats, cancel, leases,
+backpressure and replay work as on one Redis, a forced failover during streaming loses no job
+and no event, and two queues can live on two different primaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from edgeq.core.cluster import ClusterTarget, hash_tag, parse_cluster_url, queue_slot
+from edgeq.core.errors import ConfigError, QueueFull
+from edgeq.core.keys import leases_key, new_job_id
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.core.settings import ConnectionSettings, load_settings
+from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.testing.processes import WorkerProcess
+from edgeq.worker.settings import WorkerSettings
+from helpers import FULL_LENGTH_SEEDS, LocalCluster, assert_intact, engine_env
+
+QUEUE = "{edgeq:cluster}"
+LONG = {"max_tokens": 300, "temperature": 1.0}  # with a full-length seed: ~300 tokens
+CHAT_TIMEOUT_S = 120
+
+
+# --- settings (no cluster needed) ----------------------------------------------------------
+
+
+def test_a_cluster_url_names_its_seed_nodes_and_credentials() -> None:
+    assert parse_cluster_url("redis+cluster://:pw@h1:7000,[::1]:7001") == ClusterTarget(
+        seeds=(("h1", 7000), ("::1", 7001)), password="pw"
+    )
+    assert "pw" not in repr(parse_cluster_url("redis+cluster://u:pw@h:1"))
+    for url, problem in [
+        ("redis+cluster://h:1/2", "only database 0"),
+        ("rediss+cluster://h:1", "not supported yet"),
+        ("redis+cluster://", "names no cluster node"),
+        ("redis+cluster://h", "not host:port"),
+    ]:
+        with pytest.raises(ValueError, match=problem):
+            parse_cluster_url(url)
+
+
+def test_on_a_cluster_the_queue_needs_a_hash_tag(clean_edgeq_env: None) -> None:
+    url = "redis+cluster://127.0.0.1:7000"
+    with pytest.raises(ConfigError, match=r"needs a hash tag.*\{edgeq:queue\}"):
+        load_settings(ConnectionSettings, redis_url=url)
+    assert load_settings(ConnectionSettings, redis_url=url, queue=QUEUE).queue == QUEUE
+    with pytest.raises(ConfigError, match="EDGEQ_FAST_PICKUP=false cannot run on a Redis Cluster"):
+        load_settings(WorkerSettings, redis_url=url, queue=QUEUE, fast_pickup=False)
+
+
+def test_job_ids_carry_the_queues_tag_so_all_their_keys_share_its_slot() -> None:
+    from edgeq.core.keys import events_key, in_progress_key, job_key, retry_key, terminal_key
+
+    job_id = new_job_id(QUEUE)
+    assert hash_tag(job_id) == "edgeq:cluster"
+    keys = [job_key(job_id), in_progress_key(job_id), retry_key(job_id)]
+    keys += [events_key(job_id), terminal_key(job_id), leases_key(QUEUE)]
+    assert {queue_slot(key) for key in keys} == {queue_slot(QUEUE)}
+    # On one Redis nothing changes: a plain id, its streams tagged by the id.
+    assert hash_tag(new_job_id("edgeq:queue")) is None
+    assert events_key("abc") == "edgeq:events:{abc}"
+
+
+# --- on a real cluster -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    nodes = LocalCluster(tmp_path_factory.mktemp("cluster")).start()
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_worker(
+    cluster: LocalCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    env = engine_env(tiny_model, cluster.url, QUEUE)
+    worker = WorkerProcess(env, tmp_path_factory.mktemp("cluster-worker") / "worker.log")
+    worker.start()
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()
+
+
+async def _events(job: ChatJob, streaming: asyncio.Event | None = None) -> list[StreamEvent]:
+    """The job's whole stream; ``streaming`` is set at its first event."""
+    events: list[StreamEvent] = []
+    async with asyncio.timeout(CHAT_TIMEOUT_S):
+        async for event in job.stream():
+            events.append(event)
+            if streaming is not None:
+                streaming.set()
+    return events
+
+
+@pytest.mark.engine
+async def test_chats_cancel_leases_and_replay_on_a_cluster(
+    cluster: LocalCluster, cluster_worker: WorkerProcess
+) -> None:
+    async with ChatClient.from_url(cluster.url, queue=QUEUE) as client:
+        jobs = [
+            await client.submit(f"Chat {n}", seed=seed, **LONG)
+            for n, seed in enumerate(FULL_LENGTH_SEEDS)
+        ]
+        cancelled = await client.submit("Cancel me", seed=FULL_LENGTH_SEEDS[0], **LONG)
+        stream = cancelled.stream()
+        first = await anext(stream)
+        assert isinstance(first, DeltaEvent)
+        # A running job holds a lease in the queue's slot, on the slot's primary.
+        with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
+            assert owner.zscore(leases_key(QUEUE), cancelled.job_id) is not None
+        assert await client.cancel(cancelled.job_id)
+        rest = [event async for event in stream]
+        assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
+        assert_intact([first, *rest], cancelled.job_id)
+
+        streams = await asyncio.gather(*(_events(job) for job in jobs))
+        for job, events in zip(jobs, streams, strict=True):
+            assert_intact(events, job.job_id)
+            assert isinstance(events[-1], DoneEvent)
+            # A late reader replays the stream from any seq: what the replay buffer kept.
+            replayed = [
+                event async for event in (await client.attach(job.job_id, after_seq=2)).stream()
+            ]
+            assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events[3:]]
+        # Every key of the queue is on the slot's primary; no other primary holds one.
+        for port in cluster.ports:
+            with cluster.node(port) as node:
+                if node.info("replication")["role"] != "master":
+                    continue
+                tagged = list(node.scan_iter(match="*edgeq:cluster*"))
+                if port == cluster.owner(queue_slot(QUEUE)):
+                    assert tagged
+                else:
+                    assert tagged == []
+
+
+@pytest.mark.engine
+async def test_backpressure_on_a_cluster(
+    cluster: LocalCluster, cluster_worker: WorkerProcess
+) -> None:
+    # Jobs of the tests before leave arq's queue just after their done event.
+    await asyncio.to_thread(_wait_until_empty, cluster)
+    async with ChatClient.from_url(cluster.url, queue=QUEUE, max_queue=2) as client:
+        running = [await client.submit("Busy", seed=seed, **LONG) for seed in FULL_LENGTH_SEEDS[:2]]
+        with pytest.raises(QueueFull, match="already holds 2 jobs"):
+            await client.submit("One too many", max_tokens=4)
+        for job in running:
+            assert isinstance((await _events(job))[-1], DoneEvent)
+
+
+def _wait_until_empty(cluster: LocalCluster, timeout_s: float = 10) -> None:
+    with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
+        deadline = time.monotonic() + timeout_s
+        while owner.zcard(QUEUE) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def test_two_queues_live_on_two_primaries(cluster: LocalCluster) -> None:
+    owner = cluster.owner(queue_slot(QUEUE))
+    other = next(
+        f"{{edgeq:pool-{n}}}"
+        for n in range(100)
+        if cluster.owner(queue_slot(f"{{edgeq:pool-{n}}}")) != owner
+    )
+
+    async def enqueue_on(queue: str) -> str:
+        async with ChatClient.from_url(cluster.url, queue=queue) as client:
+            job = await client.submit("Nobody serves this queue", max_tokens=4)
+            await job.aclose()
+            return job.job_id
+
+    job_id = asyncio.run(enqueue_on(other))
+    with cluster.node(cluster.owner(queue_slot(other))) as node:
+        assert node.zscore(other, job_id) is not None
+    with cluster.node(owner) as node:
+        with pytest.raises(redis.ResponseError, match="MOVED"):
+            node.zscore(other, job_id)
+
+
+@pytest.mark.engine
+async def test_a_failover_during_streaming_loses_no_job_and_no_event(
+    cluster: LocalCluster, cluster_worker: WorkerProcess
+) -> None:
+    slot = queue_slot(QUEUE)
+    async with ChatClient.from_url(cluster.url, queue=QUEUE) as client:
+        jobs = [
+            await client.submit(f"Failover {n}", seed=FULL_LENGTH_SEEDS[n % 3], **LONG)
+            for n in range(6)
+        ]
+        streaming = asyncio.Event()
+        collected = [asyncio.create_task(_events(job, streaming)) for job in jobs]
+        await streaming.wait()  # then promote the replica, mid-stream
+        old, new = await asyncio.to_thread(cluster.fail_over, slot)
+        ended_before_the_failover = sum(task.done() for task in collected)
+        streams = await asyncio.gather(*collected)
+    assert cluster.owner(slot) == new != old
+    assert ended_before_the_failover < len(jobs)  # some chats streamed through it
+    for job, events in zip(jobs, streams, strict=True):
+        assert_intact(events, job.job_id)
+        assert isinstance(events[-1], DoneEvent), events[-1]
+        with cluster.node(new) as node:  # the new primary keeps every event
+            assert node.xlen(f"edgeq:events:{job.job_id}") == len(events)
