@@ -9,6 +9,10 @@ and no event, and two queues can live on two different primaries.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +28,12 @@ from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.client import ChatClient, ChatJob
 from edgeq.testing.processes import WorkerProcess
 from edgeq.worker.settings import WorkerSettings
-from helpers import FULL_LENGTH_SEEDS, LocalCluster, assert_intact, engine_env
+from helpers import EDGEQ, FULL_LENGTH_SEEDS, LocalCluster, assert_intact, engine_env, engine_of
 
 QUEUE = "{edgeq:cluster}"
 LONG = {"max_tokens": 300, "temperature": 1.0}  # with a full-length seed: ~300 tokens
 CHAT_TIMEOUT_S = 120
+LEASE_TTL_S = 3  # a killed worker's chat is handed over this long after its last renewal
 
 
 # --- settings (no cluster needed) ----------------------------------------------------------
@@ -87,14 +92,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def cluster_worker(
     cluster: LocalCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
-    env = engine_env(tiny_model, cluster.url, QUEUE)
-    worker = WorkerProcess(env, tmp_path_factory.mktemp("cluster-worker") / "worker.log")
+    worker = WorkerProcess(
+        _worker_env(tiny_model, cluster), tmp_path_factory.mktemp("cluster-worker") / "worker.log"
+    )
     worker.start()
     try:
         worker.wait_ready()
         yield worker
     finally:
         worker.stop()
+
+
+def _worker_env(tiny_model: Path, cluster: LocalCluster) -> dict[str, str]:
+    return engine_env(tiny_model, cluster.url, QUEUE) | {
+        "EDGEQ_LEASE_TTL_S": str(LEASE_TTL_S),
+        "PYTHONUNBUFFERED": "1",  # the hand-over test reads the logs live
+    }
 
 
 async def _events(job: ChatJob, streaming: asyncio.Event | None = None) -> list[StreamEvent]:
@@ -216,3 +229,63 @@ async def test_a_failover_during_streaming_loses_no_job_and_no_event(
         assert isinstance(events[-1], DoneEvent), events[-1]
         with cluster.node(new) as node:  # the new primary keeps every event
             assert node.xlen(f"edgeq:events:{job.job_id}") == len(events)
+
+
+@pytest.mark.engine
+def test_edgeq_status_reads_the_queue_on_a_cluster(
+    cluster: LocalCluster, cluster_worker: WorkerProcess
+) -> None:
+    env = {**os.environ, "EDGEQ_REDIS_URL": cluster.url, "EDGEQ_QUEUE": QUEUE}
+    run = subprocess.run(
+        [*EDGEQ, "status", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert status["queue"] == QUEUE
+    assert [worker["pid"] for worker in status["workers"]] == [cluster_worker.process.pid]
+    assert status["outcomes"]["last_5m"].get("done", 0) > 0
+
+
+# Last in the module: it kills whichever worker runs its chat, maybe the shared one.
+@pytest.mark.engine
+async def test_a_killed_workers_chat_is_continued_by_another_on_the_cluster(
+    cluster: LocalCluster,
+    cluster_worker: WorkerProcess,
+    tiny_model: Path,
+    tmp_path: Path,
+) -> None:
+    second = WorkerProcess(_worker_env(tiny_model, cluster), tmp_path / "second.log").start()
+    try:
+        second.wait_ready()
+        workers = [cluster_worker, second]
+        async with ChatClient.from_url(cluster.url, queue=QUEUE) as client:
+            job = await client.submit("Hand me over", seed=FULL_LENGTH_SEEDS[1], **LONG)
+            stream = job.stream()
+            seen = [await anext(stream)]
+            runner = next(w for w in workers if _ran(w, job.job_id))
+            # Its engine stopped mid-answer, so the chat is provably unfinished when the
+            # worker dies, however fast this machine is.
+            for process in engine_of(runner):
+                process.suspend()
+            await asyncio.sleep(0.2)
+            runner.process.kill()
+            async with asyncio.timeout(CHAT_TIMEOUT_S):
+                seen += [event async for event in stream]
+        runner.stop(signal.SIGKILL)  # reap it, and its engine
+        survivor = second if runner is cluster_worker else cluster_worker
+        assert_intact(seen, job.job_id)
+        done = seen[-1]
+        assert isinstance(done, DoneEvent) and done.continued == 1, done
+        assert any(
+            event.get("event") == "job_continued" and event.get("job_id") == job.job_id
+            for event in survivor.log_events()
+        )
+    finally:
+        second.stop()
+
+
+def _ran(worker: WorkerProcess, job_id: str) -> bool:
+    return any(
+        event.get("event") == "job_started" and event.get("job_id") == job_id
+        for event in worker.log_events()
+    )
