@@ -81,7 +81,7 @@ class StreamPublisher:
         now = self._clock()
         if self._last_flush is None or now - self._last_flush >= self._interval_s:
             self._last_flush = now
-            self._number([self._take_delta()])
+            self._unconfirmed.append(self._take_delta())
             if now >= self._retry_at:
                 await self._send(must_land=False)
 
@@ -95,18 +95,15 @@ class StreamPublisher:
         return await self._publish_terminal(error)
 
     def _take_delta(self) -> DeltaEvent:
-        event = DeltaEvent(job_id=self.job_id, seq=0, text="".join(self._pending))
+        """The pending text as the stream's next event, numbered."""
+        event = DeltaEvent(job_id=self.job_id, seq=self._next_seq, text="".join(self._pending))
+        self._next_seq += 1
         self._pending.clear()
         return event
 
     def _heard(self, published: list[Published]) -> None:
         if any(item.listeners for item in published):
             self._last_heard = self._clock()
-
-    def _number(self, events: list[AnyEvent]) -> None:
-        for event in events:
-            self._unconfirmed.append(event.model_copy(update={"seq": self._next_seq}))
-            self._next_seq += 1
 
     async def _send(self, *, must_land: bool) -> list[Published]:
         """Store the unconfirmed events, in order. Redis away: keep them and return [] (or,
@@ -145,11 +142,10 @@ class StreamPublisher:
     async def _publish_terminal(self, terminal: DoneEvent | ErrorEvent) -> DoneEvent | ErrorEvent:
         if self.closed:
             raise StreamClosed(self.job_id)
-        events: list[AnyEvent] = []
         if self._pending:
-            events.append(self._take_delta())
-        events.append(terminal)
-        self._number(events)
+            self._unconfirmed.append(self._take_delta())
+        self._unconfirmed.append(terminal.model_copy(update={"seq": self._next_seq}))
+        self._next_seq += 1
         # One round trip for the tail of the stream (and whatever an outage held back), in order.
         published = await self._send(must_land=True)
         self.closed = True

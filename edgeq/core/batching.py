@@ -44,6 +44,8 @@ class BatchedScript:
             futures.append(future)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
+        if len(futures) == 1:  # most calls: no gather's own future and callbacks per call
+            return [await futures[0]]
         return list(await asyncio.gather(*futures))
 
     async def _flush(self) -> None:

@@ -27,8 +27,9 @@ from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import events_key, outcomes_key, stream_channel, terminal_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
 
-# Split point between what the script writes (job_id, seq) and what the caller wrote.
-_SEQ_PLACEHOLDER = b'"seq":0,'
+# The JSON of an event is split around its seq, which the script writes: every event's JSON
+# has its seq third (after type and job_id) and at least one field after it.
+_SEQ_FIELD = b'"seq":%d,'
 
 # ARGV: the event's JSON before and after its seq, terminal flag, TTL (ms), the seq the writer
 # wants (-1: the next one), then for a counted terminal event its outcome, retention (s) and
@@ -116,8 +117,8 @@ class EventLog:
     def _arguments(
         self, event: AnyEvent, wanted: int, tenant: str | None
     ) -> tuple[list[str], list[bytes | str]]:
-        raw = event.model_copy(update={"seq": 0}).model_dump_json(exclude_none=True).encode()
-        head, tail = raw.split(_SEQ_PLACEHOLDER, 1)
+        raw = event.model_dump_json(exclude_none=True).encode()
+        head, tail = raw.split(_SEQ_FIELD % event.seq, 1)
         keys = [events_key(event.job_id), terminal_key(event.job_id), stream_channel(event.job_id)]
         if isinstance(event, DeltaEvent):
             return keys, [head, tail, "0", self._ttl_ms, str(wanted)]
