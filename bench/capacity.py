@@ -229,10 +229,10 @@ def measure_configuration(
 ) -> CapacityRow:
     """One configuration on a fresh Redis and fresh boxes."""
     server = RedisServer().start()
+    client = redis.Redis.from_url(server.url)
     workers: list[WorkerProcess] = []
     subscribers: list[tuple[Any, Connection]] = []
     try:
-        client = redis.Redis.from_url(server.url)
         baseline_memory = int(client.info("memory")["used_memory"])
         env = {
             "EDGEQ_REDIS_URL": server.url,
@@ -319,6 +319,7 @@ def measure_configuration(
                 process.kill()
         for worker in workers:
             worker.stop()
+        client.close()
         server.stop()
 
 

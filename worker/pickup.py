@@ -83,7 +83,8 @@ START_COUNT_TTL_S = 88_400
 # The script reads the queue's head itself, so a poll is one round trip however many
 # candidates it looks at (jobs other workers run stay in arq's queue until they finish, so the
 # head holds them too). It builds each job's keys from its id with arq's prefixes, which a
-# script may do on one Redis (and behind Sentinel). Returns, per job taken: id, score, payload
+# script may do on one Redis, behind Sentinel, and on a Redis Cluster, where job ids carry the
+# queue's hash tag so those keys share its slot. Returns, per job taken: id, score, payload
 # (false once it expired), start count (arq's job_try, counted here as arq's run_job would)
 # and whether an abort was waiting for it.
 _CLAIM = (
