@@ -111,23 +111,29 @@ def _last_stamp(text: str) -> float:
     return float(text.rstrip().rsplit(" ", 1)[-1])
 
 
-async def _follow(
-    redis_url: str,
-    users: int,
-    max_tokens: int,
-    chat_s: float,
-    window: tuple[float, float],
-    max_in_flight: int,
-) -> SubscriberReport:
+@dataclass(frozen=True)
+class SubscriberPlan:
+    """What one subscriber process does: ``users`` chats in flight, each submitting its next
+    when one ends, counted within the window (Unix times)."""
+
+    redis_url: str
+    users: int
+    max_tokens: int
+    chat_s: float  # one chat's duration at the simulated rate: the users start spread over it
+    window: tuple[float, float]
+    max_in_flight: int  # the queue cap the subscriber sets, so no box's batch is refused
+
+
+async def _follow(plan: SubscriberPlan) -> SubscriberReport:
     from edgeq.producer.client import ChatClient
 
     report = SubscriberReport(deltas=0, terminals=0, errors={}, tokens=0, latencies_s=[])
-    start, end = window
+    start, end = plan.window
 
     async def user() -> None:
-        await asyncio.sleep(random.uniform(0, chat_s))  # spread the chats over one chat's time
+        await asyncio.sleep(random.uniform(0, plan.chat_s))
         while time.time() < end:
-            job = await client.submit(PROMPT, max_tokens=max_tokens)
+            job = await client.submit(PROMPT, max_tokens=plan.max_tokens)
             async for event in job.stream():
                 now = time.time()
                 if not start <= now < end:
@@ -141,9 +147,10 @@ async def _follow(
                     if isinstance(event, ErrorEvent):
                         report.failed(event.code)
 
-    # Every box's batch may be in flight at once: the queue's cap must not refuse them.
-    async with ChatClient.from_url(redis_url, queue=QUEUE, max_queue=max_in_flight) as client:
-        tasks = [asyncio.create_task(user()) for _ in range(users)]
+    async with ChatClient.from_url(
+        plan.redis_url, queue=QUEUE, max_queue=plan.max_in_flight
+    ) as client:
+        tasks = [asyncio.create_task(user()) for _ in range(plan.users)]
         await asyncio.sleep(max(0.0, end - time.time()))
         for task in tasks:
             task.cancel()
@@ -154,18 +161,9 @@ async def _follow(
     return report
 
 
-def follow_streams(
-    redis_url: str,
-    users: int,
-    max_tokens: int,
-    chat_s: float,
-    window: tuple[float, float],
-    max_in_flight: int,
-    out: Connection,
-) -> None:
-    """A subscriber process: ``users`` chats in flight until the window ends."""
-    report = asyncio.run(_follow(redis_url, users, max_tokens, chat_s, window, max_in_flight))
-    out.send(asdict(report))
+def follow_streams(plan: SubscriberPlan, out: Connection) -> None:
+    """A subscriber process: its plan's chats in flight until the window ends."""
+    out.send(asdict(asyncio.run(_follow(plan))))
     out.close()
 
 
@@ -256,13 +254,16 @@ def measure_configuration(
         context = multiprocessing.get_context("spawn")
         for _ in range(boxes):
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(
-                target=follow_streams,
-                args=(
-                    *(server.url, plan.streams, plan.max_tokens, chat_s, window),
-                    *(2 * boxes * plan.streams, send),
-                ),
+            subscriber = SubscriberPlan(
+                redis_url=server.url,
+                users=plan.streams,
+                max_tokens=plan.max_tokens,
+                chat_s=chat_s,
+                window=window,
+                # Every box's batch may be in flight at once: the cap must not refuse them.
+                max_in_flight=2 * boxes * plan.streams,
             )
+            process = context.Process(target=follow_streams, args=(subscriber, send))
             process.start()
             subscribers.append((process, receive))
         box_pids = [worker.process.pid for worker in workers if worker.process is not None]

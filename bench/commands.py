@@ -5,22 +5,29 @@ maybe vLLM)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 ON_OFF = {"on": True, "off": False, "true": True, "false": False}
 
 
-def parse_int_list(text: str) -> list[int]:
-    """``"16,32,64"`` → ``[16, 32, 64]`` (argparse type)."""
+def _parse_list(text: str, kind: Callable[[str], T], what: str) -> list[T]:
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}: {text!r}") from None
     if not values:
         raise argparse.ArgumentTypeError("expected at least one value")
     return values
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``"16,32,64"`` → ``[16, 32, 64]`` (argparse type)."""
+    return _parse_list(text, int, "integers")
 
 
 def parse_on_off_list(text: str) -> list[bool]:
@@ -63,13 +70,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
 
 def parse_float_list(text: str) -> list[float]:
     """``"20,50"`` → ``[20.0, 50.0]`` (argparse type)."""
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return values
+    return _parse_list(text, float, "numbers")
 
 
 def run_capacity_command(args: argparse.Namespace) -> int:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import redis.exceptions
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.crc import key_slot
 
-from edgeq.core.sentinel import parse_host_port
+from edgeq.core.sentinel import parse_hosts_and_credentials
 
 CLUSTER_SCHEMES = ("redis+cluster",)
 CLUSTER_FORMAT = "redis+cluster://[[username]:password@]host1:port1[,host2:port2,...]"
@@ -61,28 +61,15 @@ def parse_cluster_url(url: str) -> ClusterTarget:
         raise ValueError("TLS to a Redis Cluster (rediss+cluster://) is not supported yet")
     if parts.scheme not in CLUSTER_SCHEMES:
         raise ValueError(f"a cluster URL starts with redis+cluster:// ({CLUSTER_FORMAT})")
-    if parts.fragment:
-        raise ValueError("has a '#': percent-encode it (%23) in a password")
+    seeds, username, password = parse_hosts_and_credentials(
+        parts, what="cluster node", url_format=CLUSTER_FORMAT
+    )
     if parts.query:
         raise ValueError(f"takes no query parameters ({CLUSTER_FORMAT})")
     if parts.path.strip("/"):
         raise ValueError(
             f"a cluster has only database 0: nothing goes after the hosts, got {parts.path!r}"
         )
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        if ":" not in userinfo:
-            raise ValueError(f"write the credentials as [username]:password@ ({CLUSTER_FORMAT})")
-        user, _, secret = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(secret)
-    seeds = tuple(
-        parse_host_port(item, what="cluster node", url_format=CLUSTER_FORMAT)
-        for item in hostlist.split(",")
-        if hostlist
-    )
-    if not seeds:
-        raise ValueError(f"names no cluster node host:port ({CLUSTER_FORMAT})")
     return ClusterTarget(seeds=seeds, username=username, password=password)
 
 

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme → TLS
 SENTINEL_QUERY = ("sentinel_username", "sentinel_password")
@@ -51,25 +51,9 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     parts = urlsplit(url)
     if parts.scheme not in SENTINEL_SCHEMES:
         raise ValueError(f"a sentinel URL starts with {' or '.join(SENTINEL_SCHEMES)}://")
-    if parts.fragment:
-        raise ValueError("has a '#': percent-encode it (%23) in a password")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        if ":" not in userinfo:
-            raise ValueError(f"write the credentials as [username]:password@ ({SENTINEL_FORMAT})")
-        user, _, secret = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(secret)
-    hosts = (
-        tuple(
-            parse_host_port(item, what="Sentinel", url_format=SENTINEL_FORMAT)
-            for item in hostlist.split(",")
-        )
-        if hostlist
-        else ()
+    hosts, username, password = parse_hosts_and_credentials(
+        parts, what="Sentinel", url_format=SENTINEL_FORMAT
     )
-    if not hosts:
-        raise ValueError(f"names no Sentinel host:port ({SENTINEL_FORMAT})")
     service, *rest = parts.path.removeprefix("/").split("/")
     if not service:
         raise ValueError(f"names no service (the Sentinels' master name): {SENTINEL_FORMAT}")
@@ -96,6 +80,30 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
         sentinel_password=query.get("sentinel_password") or None,
         ssl=SENTINEL_SCHEMES[parts.scheme],
     )
+
+
+def parse_hosts_and_credentials(
+    parts: SplitResult, *, what: str, url_format: str
+) -> tuple[tuple[tuple[str, int], ...], str | None, str | None]:
+    """(hosts, username, password) of a URL naming several hosts after optional
+    credentials, ``[[username]:password@]host1:port1[,host2:port2,...]``; ValueError (never
+    showing a password) names ``what`` the hosts are."""
+    if parts.fragment:
+        raise ValueError("has a '#': percent-encode it (%23) in a password")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        if ":" not in userinfo:
+            raise ValueError(f"write the credentials as [username]:password@ ({url_format})")
+        user, _, secret = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(secret)
+    hosts = tuple(
+        parse_host_port(item, what=what, url_format=url_format)
+        for item in (hostlist.split(",") if hostlist else ())
+    )
+    if not hosts:
+        raise ValueError(f"names no {what} host:port ({url_format})")
+    return hosts, username, password
 
 
 def parse_host_port(item: str, *, what: str, url_format: str) -> tuple[str, int]:
