@@ -364,6 +364,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         except asyncio.CancelledError:  # the server stopped waiting (shutdown timeout)
             await _cancel(job, SHUTDOWN_REASON)
             raise
+        except Exception as error:  # a bug of ours: the client gets a 500, the job must end
+            await _cancel(job, f"the gateway failed: {type(error).__name__}")
+            raise
         if not body.stream:
             bound.info("gateway_done", total_ms=_ms_since(started))
             return JSONResponse(

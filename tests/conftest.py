@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from edgeq.deploy.bundle import build_edgeq_wheel, download_wheelhouse, extras_for
 from edgeq.producer.client import ChatClient
-from edgeq.testing.processes import RedisServer, WorkerProcess
+from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
 from edgeq.testing.tiny_model import make_tiny_model
 from helpers import FIGURES, engine_env, ready_worker
 
@@ -113,6 +113,18 @@ def wheelhouse() -> Path:
     partial.rename(cached)
     FIGURES["packaging: wheelhouse"] = f"built {cached} in {took:.0f} s ({size / 1e6:.0f} MB)"
     return cached
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    """A failed test's report ends with the last log lines of each worker and gateway process
+    it used: a failure on CI, where those logs are gone with the machine, explains itself."""
+    report = yield
+    if report.failed and call.when == "call":
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, WorkerProcess | GatewayProcess):
+                report.sections.append((f"log of {name} ({value.log_path})", value.tail(60)))
+    return report
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

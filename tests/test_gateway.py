@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import job_key, tenant_of_key
-from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, Timings, Usage
 from edgeq.core.scheduling import BAND_SPAN
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import (
@@ -48,21 +48,29 @@ LONG = 300  # tokens; with a FULL_LENGTH_SEEDS seed the answer is still running 
 
 
 @pytest.fixture(scope="module")
-def gateway(worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A gateway in front of the session's worker; yields its OpenAI base URL."""
+def gateway_process(
+    worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """A gateway in front of the session's worker."""
     env = {
         **{name: worker.env[name] for name in ("EDGEQ_REDIS_URL", "EDGEQ_QUEUE", "EDGEQ_MODEL")},
         "EDGEQ_GATEWAY_MODEL_ALIASES": "Qwen-0.6B",
     }
     process = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "gateway.log").start()
-    yield process.base_url
+    yield process
     process.stop()
 
 
+@pytest.fixture
+def gateway(gateway_process: GatewayProcess) -> str:
+    """The OpenAI base URL of the gateway in front of the session's worker."""
+    return gateway_process.base_url
+
+
 @pytest.fixture(scope="module")
-def unserved_gateway(
+def unserved_gateway_process(
     redis_server: RedisServer, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+) -> Iterator[GatewayProcess]:
     """A gateway with API keys on a queue no worker serves, holding at most one job: plain
     keys, and one that fixes the tenant "nightly"."""
     env = {
@@ -76,8 +84,14 @@ def unserved_gateway(
         "EDGEQ_TENANT": GATEWAY_TENANT,
     }
     process = GatewayProcess(env, tmp_path_factory.mktemp("gateway") / "unserved.log").start()
-    yield process.base_url
+    yield process
     process.stop()
+
+
+@pytest.fixture
+def unserved_gateway(unserved_gateway_process: GatewayProcess) -> str:
+    """The OpenAI base URL of the gateway on the queue no worker serves."""
+    return unserved_gateway_process.base_url
 
 
 @pytest.fixture
@@ -88,8 +102,12 @@ async def sdk(gateway: str) -> AsyncIterator[openai.AsyncOpenAI]:
 
 @pytest.fixture
 async def unserved_client(redis_server: RedisServer) -> AsyncIterator[ChatClient]:
+    """A client of the unserved queue; a job a failed test left queued is cancelled after it,
+    so the next test finds the queue's one place free."""
     async with ChatClient(redis_url=redis_server.url, queue=UNSERVED_QUEUE) as client:
         yield client
+        for job_id in await client.redis.zrange(UNSERVED_QUEUE, 0, -1):
+            await client.cancel(job_id.decode(), "left queued by a failed test")
 
 
 async def queued_job_ids(client: ChatClient, *, at_least: int = 1) -> list[str]:
@@ -123,8 +141,16 @@ async def open_played_stream(
 
 async def terminal_event(client: ChatClient, job_id: str, timeout_s: float = 10.0) -> object:
     job = await client.attach(job_id)
-    async with asyncio.timeout(timeout_s):
-        events = [event async for event in job.stream()]
+    events: list[StreamEvent] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            events += [event async for event in job.stream()]
+    except TimeoutError:
+        queued = await client.redis.zscore(client.queue.name, job_id) is not None
+        raise AssertionError(
+            f"job {job_id} did not end within {timeout_s:g} s "
+            f"(still queued: {queued}; its events: {events})"
+        ) from None
     return events[-1]
 
 
@@ -570,6 +596,7 @@ async def test_sigterm_lets_an_open_stream_finish_then_the_gateway_exits(
     env = {"EDGEQ_REDIS_URL": redis_server.url, "EDGEQ_QUEUE": UNSERVED_QUEUE,
            "EDGEQ_MODEL": str(tiny_model), "EDGEQ_GATEWAY_SHUTDOWN_TIMEOUT_S": "10"}  # fmt: skip
     gateway = GatewayProcess(env, tmp_path / "gateway.log").start()
+    job_id = ""
     try:
         sdk = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="EMPTY", max_retries=0)
         job_id, stream = await open_played_stream(sdk, str(tiny_model), unserved_client, "Still")
@@ -591,7 +618,8 @@ async def test_sigterm_lets_an_open_stream_finish_then_the_gateway_exits(
         assert "Traceback" not in (tmp_path / "gateway.log").read_text()
     finally:
         gateway.stop()
-        await unserved_client.redis.zrem(UNSERVED_QUEUE, job_id)
+        if job_id:
+            await unserved_client.redis.zrem(UNSERVED_QUEUE, job_id)
 
 
 def test_a_port_already_taken_is_a_clear_error_with_exit_69(redis_server: RedisServer) -> None:

@@ -18,7 +18,7 @@ from edgeq import ChatClient, ChatJob, JobFailed, QueueFull
 from edgeq.core.scheduling import queued_by_tenant
 from edgeq.producer.status import read_status, render_status
 from edgeq.testing.processes import RedisServer, WorkerProcess
-from tests.helpers import FULL_LENGTH_SEEDS, engine_env, ready_worker
+from tests.helpers import FULL_LENGTH_SEEDS, engine_env, engine_of, ready_worker
 
 QUEUE = "edgeq:test-priorities"
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -180,21 +180,32 @@ async def test_the_worker_labels_queue_time_and_ttft_by_class_and_tenant(
 
 
 async def test_cancel_and_deadline_end_a_queued_batch_job_as_for_any_other(
-    client: ChatClient,
+    client: ChatClient, priority_worker: WorkerProcess
 ) -> None:
     running = await occupy(client, 2)
-    cancelled = await client.submit(MESSAGES, priority="batch", tenant="capped", max_tokens=4)
-    # The occupying chats' 300 tokens outlast this deadline: 0.44 s on a fast day.
-    late = await client.submit(
-        MESSAGES, priority="batch", tenant="capped", max_tokens=4, deadline_s=0.1
-    )
-    assert await cancelled.cancel()
-    assert await queued_by_tenant(client.redis, QUEUE) == {"capped": 1}  # the cancel counted
-    with pytest.raises(JobFailed) as failure:
-        await cancelled.result()
-    assert failure.value.code == "cancelled"
+    # The engine is suspended while the batch jobs wait, so the slots stay full however fast
+    # the occupying chats' tokens come (on some machines they end in under half a second).
+    engine = engine_of(priority_worker)
+    for process in engine:
+        process.suspend()
+    try:
+        await asyncio.sleep(0.2)  # whatever the engine had sent lands
+        assert not any(reader.done() for reader in running), "an occupying chat ended"
+        cancelled = await client.submit(MESSAGES, priority="batch", tenant="capped", max_tokens=4)
+        late = await client.submit(
+            MESSAGES, priority="batch", tenant="capped", max_tokens=4, deadline_s=0.1
+        )
+        assert await cancelled.cancel()
+        assert await queued_by_tenant(client.redis, QUEUE) == {"capped": 1}  # the cancel counted
+        with pytest.raises(JobFailed) as failure:
+            await cancelled.result()
+        assert failure.value.code == "cancelled"
+        await asyncio.sleep(0.2)  # late's deadline passes while no slot is free
+    finally:
+        for process in engine:
+            process.resume()
 
-    await asyncio.gather(*running)  # the slots free up well after late's deadline
+    await asyncio.gather(*running)
     with pytest.raises(JobFailed) as failure:
         await late.result()
     assert failure.value.code == "expired"

@@ -153,6 +153,13 @@ class RedisServer:
         self.process = None
 
 
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a child process's log, for an error message or a failed test."""
+    if not path.exists():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
 class WorkerFailed(RuntimeError):
     """The worker process exited or never became ready; the message has its last log lines."""
 
@@ -218,9 +225,7 @@ class WorkerProcess:
         return events
 
     def tail(self, lines: int = 40) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int | None:
         """Signal the worker and wait for it (and vLLM's child processes) to exit."""
@@ -262,6 +267,9 @@ class GatewayProcess:
             self.stop()
             raise RuntimeError(f"the gateway did not start:\n{self.log_path.read_text()}") from None
         return self
+
+    def tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
 
     def stop(self) -> int | None:
         return None if self.process is None else stop_process(self.process, signal.SIGTERM)
