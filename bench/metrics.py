@@ -12,7 +12,10 @@ Source: vllm/benchmarks/serve.py (``calculate_metrics``, ``parse_goodput``,
 - throughputs divide by the wall time of the whole run, failed requests included in it;
 - a request is good when every given SLO holds as ``slo_ms / 1000 >= value_s``.
 
-Added here: the success rate, and the edgeq queue's own wait (``done.timings.queued_ms``).
+Added here: the success rate, and for a queue mode where its TTFT goes, from the worker's
+``done.timings``: the wait in the queue (``queued_ms``), the worker's job start → first token
+(``ttft_ms - queued_ms``), and the handoff (the client's TTFT minus ``ttft_ms``: its submit
+before the enqueue and the first token's way back).
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ class BenchMetrics:
     e2el: Distribution
     #: Queue modes only: enqueue → the worker starts the job.
     queued: Distribution | None = None
+    #: Queue modes only: the worker starts the job → its first token (render, the engine's
+    #: prefill and first step): what the engine alone would take, plus the worker's own work.
+    started_to_first: Distribution | None = None
+    #: Queue modes only: the client's TTFT minus the worker's (enqueue → first token): its
+    #: submit before the enqueue and the first token's way back through Redis.
+    handoff: Distribution | None = None
 
     @property
     def queued_share_of_ttft(self) -> float | None:
@@ -98,6 +107,9 @@ class BenchMetrics:
         if self.queued is not None:
             data.update(self.queued.to_json("queued"))
             data["queued_share_of_ttft"] = self.queued_share_of_ttft
+        for name in ("started_to_first", "handoff"):
+            if (spread := getattr(self, name)) is not None:
+                data.update(spread.to_json(name))
         return data
 
 
@@ -170,6 +182,12 @@ def calculate_metrics(
     done = [record for record in records if record.success]
     tpots = [value for record in done if (value := tpot_s(record)) is not None]
     queued = [record.queued_ms / MS_PER_S for record in done if record.queued_ms is not None]
+    started_to_first: list[float] = []
+    handoff: list[float] = []
+    for record in done:  # the worker's times: ms since the enqueue, on this machine's clock
+        if record.queued_ms is not None and record.worker_ttft_ms is not None:
+            started_to_first.append((record.worker_ttft_ms - record.queued_ms) / MS_PER_S)
+            handoff.append(record.ttft_s - record.worker_ttft_ms / MS_PER_S)
     total_input = sum(record.input_tokens for record in done)
     total_output = sum(record.output_tokens for record in done)
     good = sum(meets_slos(record, slos_ms) for record in done) if slos_ms else None
@@ -189,4 +207,6 @@ def calculate_metrics(
         itl=distribution((gap for record in done for gap in record.itl_s), percentiles),
         e2el=distribution((record.e2el_s for record in done), percentiles),
         queued=distribution(queued, percentiles) if queued else None,
+        started_to_first=distribution(started_to_first, percentiles) if handoff else None,
+        handoff=distribution(handoff, percentiles) if handoff else None,
     )

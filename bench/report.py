@@ -68,6 +68,8 @@ ROWS: tuple[Row, ...] = (
     *_latency_rows("E2EL", "e2el", "End-to-end Latency"),
     *_latency_rows("queue wait", "queued", "Queue wait: enqueue -> worker starts the job"),
     Row("Queue wait share of mean TTFT (%)", "queued_share_of_ttft_pct", ratio=False),
+    *_latency_rows("start -> 1st", "started_to_first", "In the worker: job start -> first token"),
+    *_latency_rows("handoff", "handoff", "Client TTFT - worker TTFT: submit and delivery"),
 )
 
 

@@ -33,6 +33,11 @@ FIGURES: tuple[Figure, ...] = (
     Figure("E2E p50 (ms)", lambda m: m.e2el.median_ms),
     Figure("output tok/s", lambda m: m.output_throughput, integer=True),
     Figure("queue wait p50 (ms)", lambda m: None if m.queued is None else m.queued.median_ms),
+    Figure(
+        "worker start->1st p50 (ms)",
+        lambda m: None if m.started_to_first is None else m.started_to_first.median_ms,
+    ),
+    Figure("handoff p50 (ms)", lambda m: None if m.handoff is None else m.handoff.median_ms),
     Figure("success (%)", lambda m: m.success_rate * 100),
 )
 

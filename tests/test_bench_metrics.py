@@ -29,6 +29,7 @@ def ok(
     prompt: int = 10,
     reported: int | None = None,
     queued_ms: float | None = None,
+    worker_ttft_ms: float | None = None,
 ) -> RequestRecord:
     return RequestRecord(
         index=index,
@@ -42,6 +43,7 @@ def ok(
         prompt_tokens=prompt,
         reported_prompt_tokens=reported,
         queued_ms=queued_ms,
+        worker_ttft_ms=worker_ttft_ms,
     )
 
 
@@ -155,6 +157,24 @@ def test_queue_wait_and_its_share_of_ttft() -> None:
     assert metrics.queued_share_of_ttft == pytest.approx(0.1)
     keys = metrics.to_json()
     assert keys["p99_queued_ms"] == pytest.approx(29.8)
+
+
+def test_a_queue_modes_ttft_is_split_into_wait_worker_and_handoff() -> None:
+    # Client TTFT 200 ms = 10 queued + 180 from the job's start to its first token + 10 ms of
+    # submit and delivery; the second request: 30 + 160 + 10.
+    records = [
+        ok(0, ttft=0.2, e2el=1.0, tokens=5, queued_ms=10.0, worker_ttft_ms=190.0),
+        ok(1, ttft=0.2, e2el=1.0, tokens=5, queued_ms=30.0, worker_ttft_ms=190.0),
+        ok(2, ttft=0.9, e2el=1.0, tokens=5),  # no worker timings (another mode): left out
+    ]
+    metrics = calculate_metrics(records, duration_s=1.0)
+    assert metrics.started_to_first is not None and metrics.handoff is not None
+    assert metrics.started_to_first.median_ms == pytest.approx(170.0)
+    assert metrics.handoff.mean_ms == pytest.approx(10.0)
+    keys = metrics.to_json()
+    assert keys["median_started_to_first_ms"] == pytest.approx(170.0)
+    assert keys["p99_handoff_ms"] == pytest.approx(10.0)
+    assert calculate_metrics(records[2:], duration_s=1.0).handoff is None
 
 
 def test_json_keys_are_vllms() -> None:
