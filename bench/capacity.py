@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import os
 import random
 import statistics
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 import redis
 
+from edgeq.bench.cpu import process_cpu_s
 from edgeq.core.keys import events_key
 from edgeq.core.protocol import DeltaEvent, ErrorEvent
 from edgeq.testing.processes import RedisServer, WorkerProcess
@@ -175,13 +175,6 @@ def _cpu_busy() -> tuple[float, float]:
     return sum(fields) - idle, sum(fields)
 
 
-def _process_cpu_s(pid: int) -> float:
-    """CPU seconds a process has used (user + system), from /proc."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (float(fields[11]) + float(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _busiest_percent(before: Sequence[float], after: Sequence[float], seconds: float) -> float:
     return round(100 * max(b - a for a, b in zip(before, after, strict=True)) / seconds, 1)
 
@@ -270,8 +263,8 @@ def measure_configuration(
         subscriber_pids = [process.pid for process, _ in subscribers]
 
         def process_cpu() -> tuple[list[float], list[float]]:
-            return [_process_cpu_s(pid) for pid in box_pids], [
-                _process_cpu_s(pid) for pid in subscriber_pids
+            return [process_cpu_s(pid) for pid in box_pids], [
+                process_cpu_s(pid) for pid in subscriber_pids
             ]
 
         time.sleep(max(0.0, window[0] - time.time()))

@@ -81,7 +81,7 @@ def plan_modes(args: argparse.Namespace) -> list[ModePlan]:
         raise UsageError("--queue uses a running worker, --start-worker starts one: pick one")
     taken: set[str] = set()
     plans: list[ModePlan] = []
-    others = args.direct or args.openai is not None or args.compare is not None
+    others = args.direct or bool(args.openai) or args.compare is not None
     if args.start_worker:
         plans.append(ModePlan(_unique("queue", taken), ModeKind.QUEUE, worker_env={}))
     elif args.queue or not others:
@@ -93,8 +93,8 @@ def plan_modes(args: argparse.Namespace) -> list[ModePlan]:
         plans.append(ModePlan(_unique(env_file.stem, taken), ModeKind.QUEUE, worker_env=values))
     if args.direct:
         plans.append(ModePlan(_unique("direct", taken), ModeKind.DIRECT))
-    if args.openai is not None:
-        plans.append(ModePlan(_unique("openai", taken), ModeKind.OPENAI, url=args.openai))
+    for url in args.openai or ():
+        plans.append(ModePlan(_unique("openai", taken), ModeKind.OPENAI, url=url))
     return plans
 
 

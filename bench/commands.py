@@ -174,7 +174,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--start-worker", action="store_true", help="queue mode on a Redis + worker started here"
     )
     bench.add_argument("--direct", action="store_true", help="an engine in this process")
-    bench.add_argument("--openai", metavar="URL", help="an OpenAI-compatible server")
+    bench.add_argument(
+        "--openai",
+        metavar="URL",
+        action="append",
+        help="an OpenAI-compatible server (repeat it for several: openai, openai-2, ...)",
+    )
     bench.add_argument(
         "--compare",
         nargs=2,

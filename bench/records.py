@@ -67,6 +67,10 @@ class ModeRun:
     #: CPU time this process spent during the run: near ``duration_s`` means the load
     #: generator itself was the bottleneck (with --direct it includes the engine's front end).
     client_cpu_s: float = 0.0
+    #: CPU seconds the mode's other processes used during the run, by role: ``engine``
+    #: (vLLM's processes), and for a worker the bench started ``worker`` (its own process)
+    #: and ``redis``.
+    cpu_s: dict[str, float] = field(default_factory=dict)
     #: Set when the mode could not run at all (its warm-up request failed, its worker died).
     error: str | None = None
     #: For a worker started by the bench: the settings it was given and its ready event.

@@ -62,6 +62,9 @@ ROWS: tuple[Row, ...] = (
     Row("Output token throughput (tok/s)", "output_throughput"),
     Row("Total token throughput (tok/s)", "total_token_throughput"),
     Row("Bench process CPU (% of one core)", "client_cpu_pct", ratio=False),
+    Row("Engine processes CPU (% of one core)", "engine_cpu_pct", ratio=False),
+    Row("Worker process CPU (% of one core)", "worker_cpu_pct", ratio=False),
+    Row("Redis CPU (% of one core)", "redis_cpu_pct", ratio=False),
     *_latency_rows("TTFT", "ttft", "Time to First Token"),
     *_latency_rows("TPOT", "tpot", "Time per Output Token (excl. 1st token)"),
     *_latency_rows("ITL", "itl", "Inter-chunk Latency (queue: between deltas)"),
@@ -76,6 +79,8 @@ ROWS: tuple[Row, ...] = (
 def _table_values(run: ModeRun, metrics: BenchMetrics) -> dict[str, Any]:
     values = metrics.to_json()
     values["client_cpu_pct"] = run.client_cpu_s / run.duration_s * 100
+    for role, seconds in run.cpu_s.items():
+        values[f"{role}_cpu_pct"] = seconds / run.duration_s * 100
     values["success_rate_pct"] = metrics.success_rate * 100
     share = metrics.queued_share_of_ttft
     values["queued_share_of_ttft_pct"] = share * 100 if share is not None else None
@@ -172,6 +177,7 @@ def build_report(
                 "worker": run.worker,
                 "duration_s": run.duration_s,
                 "client_cpu_s": run.client_cpu_s,
+                "cpu_s": run.cpu_s,
                 "metrics": metrics[run.name].to_json() if run.name in metrics else None,
                 "requests": [record.to_json() for record in run.records],
             }

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,6 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
+from edgeq.bench.cpu import cpu_s_by_role, engine_pids
 from edgeq.bench.records import ModeRun, RequestRecord
 from edgeq.bench.targets import ChunkClock, DirectTarget, OpenAITarget, QueueTarget, Target
 from edgeq.bench.workload import BenchRequest, Workload
@@ -127,10 +130,19 @@ async def warm_up(target: Target, workload: Workload) -> str | None:
     return None
 
 
+#: The pids of a mode's processes by role, asked for once its target is up.
+WatchedPids = Callable[[], Mapping[str, Sequence[int]]]
+
+
 async def run_users(
-    target: Target, workload: Workload, users: int, progress: Progress | None = None
+    target: Target,
+    workload: Workload,
+    users: int,
+    progress: Progress | None = None,
+    watched: WatchedPids | None = None,
 ) -> ModeRun:
-    """The whole workload through ``target`` with ``users`` concurrent users."""
+    """The whole workload through ``target`` with ``users`` concurrent users; with
+    ``watched``, what those processes' CPU did meanwhile goes in the run too."""
     run = ModeRun(name=target.name, target=target.description)
     run.error = await warm_up(target, workload)
     if run.error is not None:
@@ -138,6 +150,8 @@ async def run_users(
     schedule = user_schedule(len(workload.requests), users)
     if progress is not None:
         progress.start(len(workload.requests))
+    pids = watched() if watched is not None else {}
+    others_start = cpu_s_by_role(pids)
     run_start = time.perf_counter()
     cpu_start = time.process_time()
 
@@ -155,6 +169,8 @@ async def run_users(
             progress.close()
     run.duration_s = time.perf_counter() - run_start
     run.client_cpu_s = time.process_time() - cpu_start
+    others_end = cpu_s_by_role(pids)
+    run.cpu_s = {role: others_end[role] - others_start[role] for role in pids}
     run.records.sort(key=lambda record: record.index)
     return run
 
@@ -164,16 +180,19 @@ async def run_target(
     workload: Workload,
     users: int,
     progress: Progress | None,
+    watched: WatchedPids | None = None,
 ) -> ModeRun:
     async with target as entered:
-        return await run_users(entered, workload, users, progress)
+        return await run_users(entered, workload, users, progress, watched)
 
 
 # --- modes that need their own Redis and worker ---------------------------------------------
 
 
 @contextmanager
-def local_worker(env: Mapping[str, str], log_dir: Path) -> Iterator[WorkerProcess]:
+def local_worker(
+    env: Mapping[str, str], log_dir: Path
+) -> Iterator[tuple[WorkerProcess, RedisServer]]:
     """A private redis-server and one ``edgeq worker`` with ``env``; both stopped on exit."""
     redis = RedisServer().start()
     try:
@@ -181,11 +200,15 @@ def local_worker(env: Mapping[str, str], log_dir: Path) -> Iterator[WorkerProces
         worker = WorkerProcess(worker_env, log_dir / "worker.log").start()
         try:
             worker.wait_ready()
-            yield worker
+            yield worker, redis
         finally:
             worker.stop()
     finally:
         redis.stop()
+
+
+def _pid(process: subprocess.Popen[bytes] | None) -> list[int]:
+    return [] if process is None else [process.pid]
 
 
 def run_plan(
@@ -204,15 +227,20 @@ def run_plan(
             # Every mode runs the workload's model, whose tokenizer sized the prompts; an env
             # file may name its own (same tokenizer assumed): its values win.
             env = {"EDGEQ_MODEL": workload.model, **plan.worker_env}
-            with local_worker(env, log_dir / plan.name) as worker:
+            with local_worker(env, log_dir / plan.name) as (worker, redis):
                 settings = load_settings(
                     ConnectionSettings,
                     redis_url=worker.env["EDGEQ_REDIS_URL"],
                     queue=worker.env["EDGEQ_QUEUE"],
                 )
-                run = asyncio.run(
-                    run_target(QueueTarget(settings, plan.name), workload, users, progress)
-                )
+                worker_pids = _pid(worker.process)
+                pids = {
+                    "worker": worker_pids,
+                    "engine": [pid for root in worker_pids for pid in engine_pids(root)],
+                    "redis": _pid(redis.process),
+                }
+                target = QueueTarget(settings, plan.name)
+                run = asyncio.run(run_target(target, workload, users, progress, lambda: pids))
                 return dataclasses.replace(
                     run,
                     target=f"{run.target} (worker log {worker.log_path})",
@@ -227,7 +255,12 @@ def run_plan(
             from edgeq.worker.settings import WorkerSettings
 
             direct = DirectTarget(load_settings(WorkerSettings, model=workload.model))
-            return asyncio.run(run_target(direct, workload, users, progress))
+            # Its engine's processes exist once the target is up: looked up then.
+            return asyncio.run(
+                run_target(
+                    direct, workload, users, progress, lambda: {"engine": engine_pids(os.getpid())}
+                )
+            )
         if plan.url is None:
             raise ValueError("an OpenAI mode needs the server's URL")
         openai = OpenAITarget(

@@ -4,12 +4,14 @@ process, pub/sub) and straight on an engine built in this process, both on the t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from edgeq.bench.cpu import engine_pids
 from edgeq.bench.metrics import calculate_metrics
 from edgeq.bench.records import ModeRun
 from edgeq.bench.runners import run_target
@@ -133,6 +135,10 @@ def test_bench_through_the_queue(
     assert metrics["total_input_tokens"] == sum(r["prompt_tokens"] for r in requests)
     for record in requests:
         assert 0 <= record["queued_ms"] <= record["worker_ttft_ms"] <= record["worker_total_ms"]
+    # The client's TTFT starts before its submit, the worker's at the enqueue: the handoff
+    # (submit, and the first token's way back) is what is left, and it is never free.
+    assert 0 < metrics["median_handoff_ms"] < metrics["median_ttft_ms"]
+    assert 0 < metrics["median_started_to_first_ms"] < metrics["median_ttft_ms"]
     assert {record["user"] for record in requests} == set(range(USERS))
     assert plot.read_bytes().startswith(PNG_MAGIC)
 
@@ -146,9 +152,12 @@ async def test_bench_direct_on_an_engine_in_this_process(
     settings = load_settings(WorkerSettings, model=str(tiny_model))
     workload = the_workload(tiny_model)
 
-    run: ModeRun = await run_target(DirectTarget(settings), workload, USERS, None)
+    run: ModeRun = await run_target(
+        DirectTarget(settings), workload, USERS, None, lambda: {"engine": engine_pids(os.getpid())}
+    )
 
     assert run.error is None and run.duration_s > 0
+    assert run.cpu_s["engine"] > 0  # vLLM's processes, children of this one, did the work
     requests = [record.to_json() for record in run.records]
     assert_requests_match_the_workload(requests, workload)
     for record in run.records:

@@ -1,0 +1,58 @@
+"""The CPU account of a bench run: which processes are the engine's, and what they used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from edgeq.bench.cpu import cpu_s_by_role, engine_pids, process_cpu_s
+
+# A child that names itself as vLLM names its engine processes, then burns CPU until killed.
+ENGINE_LIKE = """
+import ctypes, sys
+ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0)  # PR_SET_NAME: /proc/PID/comm
+print("named", flush=True)
+while True:
+    pass
+"""
+
+
+@pytest.fixture
+def busy_children() -> Iterator[list[subprocess.Popen[bytes]]]:
+    children = [
+        subprocess.Popen([sys.executable, "-c", ENGINE_LIKE, name], stdout=subprocess.PIPE)
+        for name in ("VLLM::EngineCore", "not-the-engine")
+    ]
+    try:
+        for child in children:
+            assert child.stdout is not None and child.stdout.readline() == b"named\n"
+        yield children
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def test_the_engines_processes_are_found_by_name_among_the_descendants(
+    busy_children: list[subprocess.Popen[bytes]],
+) -> None:
+    engine, other = busy_children
+    assert engine_pids(os.getpid()) == [engine.pid]
+    assert engine_pids(other.pid) == []  # no descendants at all
+
+
+def test_cpu_by_role_counts_what_each_role_used_and_a_gone_process_as_zero(
+    busy_children: list[subprocess.Popen[bytes]],
+) -> None:
+    engine, other = busy_children
+    before = cpu_s_by_role({"engine": [engine.pid], "gone": [2**22 + 1]})
+    time.sleep(0.5)
+    after = cpu_s_by_role({"engine": [engine.pid], "gone": [2**22 + 1]})
+    assert after["engine"] - before["engine"] > 0.1  # a busy loop, for half a second
+    assert before["gone"] == after["gone"] == 0.0
+    assert process_cpu_s(other.pid) > 0
