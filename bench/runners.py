@@ -264,7 +264,7 @@ def run_plan(
         if plan.url is None:
             raise ValueError("an OpenAI mode needs the server's URL")
         openai = OpenAITarget(
-            plan.url, users=users, model=workload.model, count_tokens=count_tokens
+            plan.url, users=users, model=workload.model, count_tokens=count_tokens, name=plan.name
         )
         return asyncio.run(run_target(openai, workload, users, progress))
     except Exception as error:  # one failed mode must not lose the others

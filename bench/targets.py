@@ -235,11 +235,16 @@ class DirectTarget:
 class OpenAITarget:
     """Streaming chat completions over one pooled HTTP client sized for every user at once."""
 
-    name = "openai"
-
     def __init__(
-        self, base_url: str, *, users: int, model: str, count_tokens: Callable[[str], int]
+        self,
+        base_url: str,
+        *,
+        users: int,
+        model: str,
+        count_tokens: Callable[[str], int],
+        name: str = "openai",
     ) -> None:
+        self.name = name  # the mode's: several servers may run in one bench
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._count_tokens = count_tokens

@@ -22,6 +22,8 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
+from edgeq.bench.runners import ModeKind, ModePlan, run_plan
+from edgeq.bench.workload import WorkloadSpec, build_workload, load_tokenizer
 from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import job_key, tenant_of_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, Timings, Usage
@@ -808,3 +810,20 @@ def test_langchain_structured_output_and_bound_tools_work_unchanged(
     message = chat_model.bind_tools([WEATHER_TOOL], tool_choice="any").invoke("Weather in Rome?")
     [call] = message.tool_calls
     assert call["name"] == "get_weather" and set(call["args"]) == {"city"}
+
+
+def test_edgeq_bench_runs_the_gateway_as_one_of_several_openai_modes(
+    gateway: str, tiny_model: Path
+) -> None:
+    """`edgeq bench --openai A --openai B`: each server's run carries its own mode's name."""
+    spec = WorkloadSpec(
+        num_requests=2, input_len_min=32, input_len_max=48, max_tokens=8,
+        temperature=0.5, top_p=0.9, seed=0,
+    )  # fmt: skip
+    tokenizer = load_tokenizer(str(tiny_model))
+    workload = build_workload(spec, tokenizer, str(tiny_model))
+    plan = ModePlan("openai-2", ModeKind.OPENAI, url=gateway.removesuffix("/v1"))
+    run = run_plan(plan, workload, 2, count_tokens=lambda text: len(tokenizer.encode(text)))
+    assert run.error is None, run.error
+    assert run.name == "openai-2"
+    assert [record.success for record in run.records] == [True, True]
