@@ -20,6 +20,7 @@ import psutil
 import redis
 from redis.asyncio import Redis
 
+from edgeq.bench.cpu import engine_pids
 from edgeq.core.keys import stream_channel
 from edgeq.core.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.testing.processes import (
@@ -58,8 +59,7 @@ def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:
 
 def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
     """vLLM's processes of the worker (not multiprocessing's resource tracker)."""
-    children = psutil.Process(worker.process.pid).children(recursive=True)
-    return [process for process in children if process.name().startswith("VLLM::")]
+    return [psutil.Process(pid) for pid in engine_pids(worker.process.pid)]
 
 
 @contextmanager
