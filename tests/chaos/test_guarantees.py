@@ -36,7 +36,6 @@ LEASE_TTL_S = 2.0
 BUSY_LEASE_TTL_S = 5.0  # with two engines busy on the two cores
 DRAIN_TIMEOUT_S = 30.0
 LONG = 300  # tokens: long enough to be mid-stream when something happens
-FREEZE_ATTEMPTS = 3  # chats tried until one is frozen before its answer ends
 # An engine process must not outlive its killed worker by more than this.
 ENGINE_DEATH_S = 5.0
 FULL_LENGTH_SEED = 10  # draws no end-of-turn token within LONG tokens on the tiny model
@@ -339,28 +338,18 @@ async def test_a_chat_that_kills_every_worker_ends_worker_lost_after_the_limit(
         async with ChatClient(
             redis_url=url, queue="edgeq:chaos", lease_ttl_s=LEASE_TTL_S, max_continuations=1
         ) as client:
-            # Both engines are frozen at once, first thing: on a fast day 300 tokens took
-            # 0.44 s, and once a whole continuation was made before the test had found it in
-            # the logs. The second worker still takes the job over and starts its run, which
-            # stays in flight, with nothing new generated, until its kill. A chat that ended
-            # before its freeze all the same (seen tonight, cause not found) is let go, and
-            # another one tried.
-            for _ in range(FREEZE_ATTEMPTS):
-                job = await client.submit("poison", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-                stream = job.stream()
-                events = [await anext(stream)]
-                reader = asyncio.create_task(follow(stream, events))
-                for worker in workers:
-                    for process in engine_of(worker):
-                        process.suspend()
-                await asyncio.sleep(0.2)  # whatever the worker was sending lands
-                if await unfinished(client.redis, {job.job_id}):
-                    break
-                for worker in workers:
-                    thaw(worker)
-                await reader
-            else:
-                pytest.fail(f"{FREEZE_ATTEMPTS} chats ended before their engine was frozen")
+            # Both engines are frozen before the chat is sent: the worker that claims it starts
+            # its run, which stays in flight with nothing generated until the kill, and so does
+            # the second worker's continuation. Freezing after the first token raced the tiny
+            # model (300 tokens in 0.44 s on a fast day): on CI three chats in a row had ended
+            # before the freeze.
+            for worker in workers:
+                for process in engine_of(worker):
+                    process.suspend()
+            job = await client.submit("poison", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            events: list[StreamEvent] = []
+            reader = asyncio.create_task(follow(job.stream(), events))
+            await all_started(workers, {job.job_id})
             [first] = runs_by_worker(workers, {job.job_id}).values()
             [second] = [worker for worker in workers if worker is not first]
             await kill_and_check_engine_dies(first)
