@@ -1,17 +1,27 @@
-"""The worker's one-round-trip claim against a real Redis: which queued jobs it takes, and that
-two workers claiming at once never take the same job."""
+"""The worker's one-round-trip claim against a real Redis: which queued jobs it takes, that
+two workers claiming at once never take the same job, and what makes a worker claim."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
+import pytest
 from arq.constants import abort_jobs_ss
+from arq.worker import func
 from redis.asyncio import Redis
 
+from edgeq.core.connection import make_redis
 from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key
 from edgeq.core.leases import redis_now_ms
-from edgeq.worker.pickup import START_COUNT_TTL_S, claim_due_jobs
+from edgeq.core.protocol import JOB_FUNCTION, dump_json, load_json
+from edgeq.core.settings import ConnectionSettings
+from edgeq.producer.queue import Enqueued, JobQueue
+from edgeq.testing.processes import RedisServer
+from edgeq.worker.pickup import START_COUNT_TTL_S, FastPickupWorker, claim_due_jobs
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000
@@ -122,3 +132,91 @@ async def test_two_workers_claiming_at_once_never_take_the_same_job(
     assert len(first) <= 64 and len(second) <= 64
     assert not set(first) & set(second)
     assert sorted(first + second) == sorted(job_ids)
+
+
+class HeldJobs:
+    """Jobs that start when the worker claims them and end when the test lets them."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, asyncio.Event] = {}
+        self.release: dict[str, asyncio.Event] = {}
+
+    def of(self, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+        return self.started.setdefault(name, asyncio.Event()), self.release.setdefault(
+            name, asyncio.Event()
+        )
+
+    async def run(self, ctx: dict[str, Any], request: dict[str, Any]) -> str:
+        started, release = self.of(request["name"])
+        started.set()
+        await release.wait()
+        return request["name"]
+
+
+@pytest.fixture
+async def held_worker(
+    redis_server: RedisServer, queue: str, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[HeldJobs, JobQueue]]:
+    """A fast-pickup worker with ``request.param`` slots that, while busy, would not poll for
+    an hour: whatever it claims while a job runs, a signal made it claim."""
+    jobs = HeldJobs()
+    settings = ConnectionSettings(redis_url=redis_server.url, queue=queue)
+    worker = FastPickupWorker(
+        functions=[func(jobs.run, name=JOB_FUNCTION)],
+        queue_name=queue,
+        redis_pool=make_redis(settings),
+        handle_signals=False,
+        max_jobs=request.param,
+        retry_jobs=False,
+        poll_delay=3600,
+        job_serializer=dump_json,
+        job_deserializer=load_json,
+    )
+    main = asyncio.create_task(worker.main())
+    producer = Redis.from_url(redis_server.url)
+    try:
+        yield jobs, JobQueue(producer, queue)
+    finally:
+        for release in jobs.release.values():
+            release.set()
+        # Let them end: arq's close cancels whatever still runs, and then fails on it.
+        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
+        main.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await main
+        await worker.close()
+        await producer.aclose()
+
+
+async def submit(queue: JobQueue, name: str) -> None:
+    outcome = await queue.enqueue(
+        f"{name}-{uuid.uuid4().hex}", {"name": name},
+        deadline_s=60, max_depth=0, tenant="", priority=None,
+    )  # fmt: skip
+    assert outcome.outcome is Enqueued.ACCEPTED
+
+
+@pytest.mark.parametrize("held_worker", [2], indirect=True)
+async def test_a_busy_worker_claims_a_new_job_on_its_enqueue(
+    held_worker: tuple[HeldJobs, JobQueue],
+) -> None:
+    jobs, queue = held_worker
+    await submit(queue, "first")
+    await asyncio.wait_for(jobs.of("first")[0].wait(), 10)
+    await submit(queue, "second")  # its wake message, not a poll, gets it claimed
+    await asyncio.wait_for(jobs.of("second")[0].wait(), 10)
+    assert not jobs.of("first")[1].is_set()  # the worker was busy all along
+
+
+@pytest.mark.parametrize("held_worker", [1], indirect=True)
+async def test_a_job_that_ends_makes_the_worker_claim_the_next_at_once(
+    held_worker: tuple[HeldJobs, JobQueue],
+) -> None:
+    jobs, queue = held_worker
+    await submit(queue, "first")
+    await asyncio.wait_for(jobs.of("first")[0].wait(), 10)
+    await submit(queue, "second")  # woken, but no slot: it waits
+    await asyncio.sleep(0.3)
+    assert not jobs.of("second")[0].is_set()
+    jobs.of("first")[1].set()
+    await asyncio.wait_for(jobs.of("second")[0].wait(), 10)

@@ -8,10 +8,15 @@ engine over 320 round trips, each one queued behind the streaming of the chats a
 running; and with several workers on one queue all of them walk the same ids in the same
 order, so the slower one loses every race and sits idle while jobs wait. Here:
 
-- producers PUBLISH on ``{queue}:wake`` after each enqueue (producer/queue.py); an idle worker
-  waits on that channel, so a job starts within a Redis round trip of its enqueue, and an idle
-  worker still looks once per ``IDLE_WAIT_S`` in case a producer did not signal;
-- while jobs run, the worker polls every ``poll_delay`` (slots free up, aborts arrive);
+- producers PUBLISH on ``{queue}:wake`` after each enqueue (producer/queue.py), and so does a
+  hand-over of a lost worker's job (core/leases.py); a task of the worker listens on that
+  channel, and a wake, or one of its own jobs ending (a slot came free), starts a claim at
+  once: a job starts within a Redis round trip of its enqueue, busy or idle;
+- without a signal the worker still looks every ``poll_delay`` while jobs run (arq's
+  ``Job.abort``, which signals nothing) and every ``IDLE_WAIT_S`` when idle (a producer that
+  did not signal). A busy worker used to poll every 10 ms for all of these: ~200 round trips a
+  second while anything ran, the largest part of its CPU streaming one chat
+  (docs/benchmarks.md);
 - each poll is one Lua script (``claim_due_jobs``) that reads the queue's head and takes as
   many due jobs as the worker has free slots, setting arq's own in-progress key as arq would:
   whichever worker runs it first takes what it can hold, the next one takes the rest, and no
@@ -32,6 +37,7 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -229,7 +235,9 @@ class FastPickupWorker(Worker):
     """arq's Worker with a wake-up channel, one round trip per claim, and claimed jobs started
     without a round trip of their own (see the module doc)."""
 
-    _wake: Any = None
+    #: Set by a wake message and by a job's end; the main loop claims when it is set.
+    _work_signal: asyncio.Event | None = None
+    _wake_listener: asyncio.Task[None] | None = None
 
     #: How long the lease written at claim lasts (EDGEQ_LEASE_TTL_S), in ms.
     lease_ttl_ms = 10_000
@@ -258,23 +266,43 @@ class FastPickupWorker(Worker):
         self.ctx["redis"] = self.pool
         if self.on_startup:
             await self.on_startup(self.ctx)
+        signal = self._work_signal = asyncio.Event()
+        listener = self._wake_listener = asyncio.create_task(self._listen_for_wakes(signal))
         while True:
+            if listener.done():  # not a Redis outage (it rides those out): as arq, stop
+                listener.result()
+            # Cleared before the claim: a signal during its round trip claims again at once.
+            signal.clear()
             await self._poll_iteration()
-            await self._wait_for_work()
+            await self._wait_for_work(signal)
 
-    async def _wait_for_work(self) -> None:
+    async def _wait_for_work(self, signal: asyncio.Event) -> None:
         busy = bool(self.tasks) or not self.allow_pick_jobs
-        wait_s = self.poll_delay_s if busy else IDLE_WAIT_S
-        try:
-            if self._wake is None:
-                self._wake = self.pool.pubsub(ignore_subscribe_messages=True)
-                await self._wake.subscribe(wake_channel(self.queue_name))
-            await self._wake.get_message(timeout=wait_s)
-        except REDIS_ERRORS:
-            wake, self._wake = self._wake, None
-            if wake is not None:
-                await wake.aclose()
-            await asyncio.sleep(WAIT_RETRY_S)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.poll_delay_s if busy else IDLE_WAIT_S):
+                await signal.wait()
+
+    async def _listen_for_wakes(self, signal: asyncio.Event) -> None:
+        """Set ``signal`` for every message on the queue's wake channel, for good: a Redis
+        error closes the subscription, and it is made again after WAIT_RETRY_S."""
+        while True:
+            wakes = self.pool.pubsub(ignore_subscribe_messages=True)
+            try:
+                await wakes.subscribe(wake_channel(self.queue_name))
+                signal.set()  # a wake sent while not subscribed was missed: look now
+                while True:
+                    if await wakes.get_message(timeout=IDLE_WAIT_S) is not None:
+                        signal.set()
+            except REDIS_ERRORS:
+                await asyncio.sleep(WAIT_RETRY_S)
+            finally:
+                with contextlib.suppress(*REDIS_ERRORS):
+                    await asyncio.shield(wakes.aclose())
+
+    def _job_ended(self) -> None:
+        self._release_sem_dec_counter_on_complete()
+        if self._work_signal is not None:
+            self._work_signal.set()  # a slot came free: take what waits for it
 
     async def _poll_iteration(self) -> None:
         # arq's _poll_iteration with its read of the queue's head and start_jobs folded into
@@ -313,7 +341,7 @@ class FastPickupWorker(Worker):
             # arq takes the score for the enqueue time (it logs "delayed" from it); edgeq's
             # scores are fair-queuing tags, so the job gets the claim's time instead.
             task = self.loop.create_task(self.run_claimed(job, now_ms))
-            task.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            task.add_done_callback(lambda _: self._job_ended())
             self.tasks[job.job_id] = task
 
     async def run_claimed(self, job: ClaimedJob, claimed_ms: int) -> None:
@@ -475,9 +503,8 @@ class FastPickupWorker(Worker):
             await self.pool.zrem(self.abort_set, *aborted)
 
     async def close(self) -> None:
-        if self._wake is not None:
-            try:
-                await self._wake.aclose()
-            except REDIS_ERRORS:
-                pass
+        if self._wake_listener is not None:
+            self._wake_listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._wake_listener
         await super().close()

@@ -103,7 +103,7 @@ class WorkerSettings(ConnectionSettings):
     max_num_batched_tokens: int | None = Field(None, ge=16)
     enable_chunked_prefill: bool = True
     max_jobs: int | None = Field(None, ge=1)
-    poll_delay_ms: float = Field(10.0, gt=0, le=1000)
+    poll_delay_ms: float = Field(250.0, gt=0, le=1000)
     fast_pickup: bool = True
 
     # Knob 3: paged KV cache.
