@@ -6,7 +6,7 @@ publish path sustains.
 
 Pickup is the worker's own `queued_ms` (enqueue → the chat job starts), to the microsecond.
 `--before` runs the worker with EDGEQ_FAST_PICKUP=false: arq's own polling (every
-EDGEQ_POLL_DELAY_MS), its per-poll re-check of every running job and its one-job-at-a-time
+EDGEQ_POLL_DELAY_MS=10 ms), its per-poll re-check of every running job and its one-job-at-a-time
 claim. The worker inherits this script's environment, PYTHONPATH included, so an older
 checkout's worker can be measured with it: run it from outside any checkout (the worker's
 `python -m` puts the current directory first), e.g.
@@ -123,7 +123,9 @@ def main() -> int:
         "EDGEQ_ABANDON_AFTER_S": "0",
     }
     if args.before:
-        env["EDGEQ_FAST_PICKUP"] = "false"
+        # 10 ms: the poll the fast pickup was measured against (250, the default now that
+        # the fast pickup needs no busy poll, would be arq's poll interval here).
+        env |= {"EDGEQ_FAST_PICKUP": "false", "EDGEQ_POLL_DELAY_MS": "10"}
     worker = WorkerProcess(env, scratch / "worker.log").start()
     try:
         worker.wait_ready()
