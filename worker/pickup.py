@@ -15,7 +15,7 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
 - without a signal the worker still looks every ``poll_delay`` while jobs run (arq's
   ``Job.abort``, which signals nothing) and every ``IDLE_WAIT_S`` when idle (a producer that
   did not signal). A busy worker used to poll every 10 ms for all of these: ~200 round trips a
-  second while anything ran, the largest part of its CPU streaming one chat
+  second while anything ran, about a quarter of its CPU streaming one chat
   (docs/benchmarks.md);
 - each poll is one Lua script (``claim_due_jobs``) that reads the queue's head and takes as
   many due jobs as the worker has free slots, setting arq's own in-progress key as arq would:
