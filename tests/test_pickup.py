@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -138,19 +139,16 @@ class HeldJobs:
     """Jobs that start when the worker claims them and end when the test lets them."""
 
     def __init__(self) -> None:
-        self.started: dict[str, asyncio.Event] = {}
-        self.release: dict[str, asyncio.Event] = {}
-
-    def of(self, name: str) -> tuple[asyncio.Event, asyncio.Event]:
-        return self.started.setdefault(name, asyncio.Event()), self.release.setdefault(
-            name, asyncio.Event()
-        )
+        self.running: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.released: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     async def run(self, ctx: dict[str, Any], request: dict[str, Any]) -> str:
-        started, release = self.of(request["name"])
-        started.set()
-        await release.wait()
+        self.running[request["name"]].set()
+        await self.released[request["name"]].wait()
         return request["name"]
+
+    async def started(self, name: str) -> None:
+        await asyncio.wait_for(self.running[name].wait(), 10)
 
 
 @pytest.fixture
@@ -177,8 +175,8 @@ async def held_worker(
     try:
         yield jobs, JobQueue(producer, queue)
     finally:
-        for release in jobs.release.values():
-            release.set()
+        for released in jobs.released.values():
+            released.set()
         # Let them end: arq's close cancels whatever still runs, and then fails on it.
         await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
         main.cancel()
@@ -202,10 +200,11 @@ async def test_a_busy_worker_claims_a_new_job_on_its_enqueue(
 ) -> None:
     jobs, queue = held_worker
     await submit(queue, "first")
-    await asyncio.wait_for(jobs.of("first")[0].wait(), 10)
-    await submit(queue, "second")  # its wake message, not a poll, gets it claimed
-    await asyncio.wait_for(jobs.of("second")[0].wait(), 10)
-    assert not jobs.of("first")[1].is_set()  # the worker was busy all along
+    await jobs.started("first")
+    # "first" is never released: the worker stays busy, and only the wake message of the
+    # enqueue, not a poll, can get "second" claimed.
+    await submit(queue, "second")
+    await jobs.started("second")
 
 
 @pytest.mark.parametrize("held_worker", [1], indirect=True)
@@ -214,9 +213,9 @@ async def test_a_job_that_ends_makes_the_worker_claim_the_next_at_once(
 ) -> None:
     jobs, queue = held_worker
     await submit(queue, "first")
-    await asyncio.wait_for(jobs.of("first")[0].wait(), 10)
+    await jobs.started("first")
     await submit(queue, "second")  # woken, but no slot: it waits
     await asyncio.sleep(0.3)
-    assert not jobs.of("second")[0].is_set()
-    jobs.of("first")[1].set()
-    await asyncio.wait_for(jobs.of("second")[0].wait(), 10)
+    assert not jobs.running["second"].is_set()
+    jobs.released["first"].set()
+    await jobs.started("second")
