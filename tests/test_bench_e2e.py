@@ -30,6 +30,8 @@ REQUESTS_PER_USER = 2
 INPUT_LEN_MIN = 24
 INPUT_LEN_MAX = 48
 MAX_TOKENS = 16
+# EDGEQ_STREAM_TOKENS of the in-process engine: tokens per engine output after the first.
+STREAM_TOKENS = 3
 SEED = 7
 # Roomy: the CLI imports transformers and matplotlib before the first request.
 CLI_TIMEOUT_S = 180
@@ -149,6 +151,8 @@ async def test_bench_direct_on_an_engine_in_this_process(
     monkeypatch.setenv("EDGEQ_CPU_KV_CACHE_GIB", "1")
     monkeypatch.setenv("EDGEQ_MAX_MODEL_LEN", str(TEST_MAX_MODEL_LEN))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # The engine is the worker's own ChatEngine: a worker setting reaches it.
+    monkeypatch.setenv("EDGEQ_STREAM_TOKENS", str(STREAM_TOKENS))
     settings = load_settings(WorkerSettings, model=str(tiny_model))
     workload = the_workload(tiny_model)
 
@@ -164,6 +168,10 @@ async def test_bench_direct_on_an_engine_in_this_process(
         # Straight on the engine the last chunk ends the answer: vLLM's identity holds exactly.
         assert record.ttft_s + sum(record.itl_s) == pytest.approx(record.e2el_s)
         assert record.queued_ms is None
+        # The first token alone, then at least STREAM_TOKENS per output (the last may be
+        # shorter): never the one output per token of vLLM's default.
+        later = record.output_tokens - 1
+        assert len(record.itl_s) <= -(-later // STREAM_TOKENS), record
     metrics = calculate_metrics(run.records, run.duration_s).to_json()
     assert SUMMARY_KEYS | LATENCY_KEYS <= metrics.keys()
     assert metrics["success_rate"] == 1.0

@@ -110,6 +110,30 @@ def test_a_simulated_chat_honours_the_request_like_the_real_engine() -> None:
     assert unfinished == 0
 
 
+def test_a_simulated_engine_holds_outputs_back_like_vllms_stream_interval() -> None:
+    """EDGEQ_STREAM_TOKENS=3: the first token at once, then outputs of 3 (the last: the rest)."""
+    from edgeq.bench.simulate import GpuRate, SimulatedEngine
+    from edgeq.worker.settings import WorkerSettings
+
+    async def run() -> list[int]:
+        settings = WorkerSettings(max_tokens=8, max_model_len=4096, stream_tokens=3)
+        engine = SimulatedEngine(settings, GpuRate(step_ms=5, prefill_ms=0))
+        try:
+            request = ChatRequest(messages=[{"role": "user", "content": "hi"}])
+            params = engine.sampling_params(request, 10)
+            return [
+                len(output.outputs[0].token_ids)
+                async for output in engine.generate([0] * 10, params, "r1")
+            ]
+        finally:
+            engine.shutdown()
+
+    sizes = asyncio.run(run())
+    assert sizes[0] == 1 and sum(sizes) == 8
+    assert all(size >= 3 for size in sizes[1:-1]) and 1 <= sizes[-1], sizes
+    assert len(sizes) <= 4, sizes  # 1 + 3 + 3 + 1, or fewer when steps were missed
+
+
 def test_capacity_reports_redis_figures_for_a_simulated_box(tmp_path: Path) -> None:
     out = tmp_path / "capacity.json"
     run = subprocess.run(

@@ -77,6 +77,8 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         # Eager mode skips inductor's C++ compile at start-up, which costs minutes on a CPU.
         enforce_eager=settings.enforce_eager if settings.enforce_eager is not None else on_cpu,
         enable_log_requests=settings.log_content,
+        # vLLM sends the first and the final output at once, whatever the interval.
+        stream_interval=settings.stream_tokens,
         # Per-request stats give the exact generated-token count (worker/jobs.py).
         disable_log_stats=False,
         # vLLM's "auto" backend may fall back to guidance per schema; compact JSON needs the

@@ -118,8 +118,11 @@ class WorkerSettings(ConnectionSettings):
     top_p: float = Field(0.9, gt=0, le=1)
     max_tokens: int = Field(256, ge=1)
 
-    # Knob 5: streaming.
+    # Knob 5: streaming. ``stream_tokens``: vLLM's stream_interval, the engine's own
+    # coalescing (every Nth token after the first), which spares the worker the Python per
+    # engine output; ``stream_interval_ms``: the publisher's, by time, before Redis.
     stream_interval_ms: float = Field(20.0, ge=0)
+    stream_tokens: int = Field(1, ge=1, le=64)
 
     # Knob 7: thinking.
     enable_thinking: bool = False
