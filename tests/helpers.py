@@ -21,7 +21,7 @@ import redis
 from redis.asyncio import Redis
 
 from edgeq.bench.cpu import engine_pids
-from edgeq.core.keys import stream_channel
+from edgeq.core.keys import stream_channel, wake_channel
 from edgeq.core.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.testing.processes import (
     WorkerProcess,
@@ -80,11 +80,13 @@ def arq_job_bytes(request: Any) -> bytes:
 
 
 async def enqueue_raw(redis: Redis, queue: str, payload: bytes, job_id: str | None = None) -> str:
-    """Enqueue with plain Redis commands (no arq client): SET the job, ZADD its id."""
+    """Enqueue with plain Redis commands (no arq client), as README's wire contract says: SET
+    the job, ZADD its id, PUBLISH the queue's wake (or the job waits for the worker's next look)."""
     job_id = job_id or uuid.uuid4().hex
     async with redis.pipeline(transaction=True) as pipe:
         pipe.set(f"arq:job:{job_id}", payload, px=60_000)
         pipe.zadd(queue, {job_id: int(time.time() * 1000)})
+        pipe.publish(wake_channel(queue), "")
         await pipe.execute()
     return job_id
 
