@@ -9,8 +9,12 @@ INSTALLED := $(VENV)/.installed
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
 
+# Two processes, each taking whole files (their module fixtures stay shared): most of the
+# suite's time is engine start-ups, whose imports keep one core busy at a time.
+TEST_PROCESSES ?= 2
+
 test: system-deps $(INSTALLED) lint  ## the whole suite against real Redis, arq and vLLM
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

