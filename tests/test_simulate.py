@@ -130,7 +130,7 @@ def test_a_simulated_engine_holds_outputs_back_like_vllms_stream_interval() -> N
 
     sizes = asyncio.run(run())
     assert sizes[0] == 1 and sum(sizes) == 8
-    assert all(size >= 3 for size in sizes[1:-1]) and 1 <= sizes[-1], sizes
+    assert all(size >= 3 for size in sizes[1:-1]), sizes
     assert len(sizes) <= 4, sizes  # 1 + 3 + 3 + 1, or fewer when steps were missed
 
 
