@@ -166,14 +166,14 @@ class SimulatedEngine(ChatEngine):
             wanted: int = params.max_tokens
             made, seen_step = 0, self._clock.steps
             while made < wanted:
-                # After the first: one per step, and every step missed meanwhile, held (as
-                # vLLM's stream_interval holds them) until EDGEQ_STREAM_TOKENS have come.
-                tokens = 0 if made else 1
-                due = min(self.settings.stream_tokens, wanted - made) if made else 1
-                while tokens < due:
-                    step = await self._clock.next_step()
-                    tokens, seen_step = tokens + step - seen_step, step
-                tokens = min(tokens, wanted - made)
+                tokens = 1
+                if made:  # after the first: one per step, and every step missed meanwhile,
+                    # held (as vLLM's stream_interval holds them) until EDGEQ_STREAM_TOKENS came.
+                    tokens = 0
+                    while tokens < min(self.settings.stream_tokens, wanted - made):
+                        step = await self._clock.next_step()
+                        tokens, seen_step = tokens + step - seen_step, step
+                    tokens = min(tokens, wanted - made)
                 made += tokens
                 text = "x " * (tokens - 1) + f"{time.time():.4f} "
                 finished = made >= wanted
