@@ -152,7 +152,11 @@ class ChatJob:
             else:
                 wait_s = min(LEASE_CHECK_INTERVAL_S, max(0.0, deadline - time.monotonic()))
                 try:
-                    raw = await asyncio.wait_for(self._inbox.get(), wait_s)
+                    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes in
+                    # the same loop turn as an item, and a gateway's reader must stop when
+                    # its HTTP client leaves. An item the timeout interrupts stays queued.
+                    async with asyncio.timeout(wait_s):
+                        raw = await self._inbox.get()
                 except TimeoutError:
                     await self._while_silent()
                     continue

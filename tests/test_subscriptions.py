@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from edgeq.core.events import EventLog
 from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent, Timings, Usage
 from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.producer.subscriptions import REPLAY
 from edgeq.testing.processes import RedisServer
 from helpers import FIGURES, assert_intact
 
@@ -152,3 +153,21 @@ async def test_two_readers_of_one_job_in_one_client_each_get_the_whole_stream(
     assert first == second
     assert_intact(first, job.job_id)
     assert "".join(e.text for e in first if isinstance(e, DeltaEvent)) == "ab"
+
+
+async def test_a_reader_cancelled_as_its_next_event_arrives_stops(named_client: ChatClient) -> None:
+    """What the gateway does when its HTTP client leaves: cancel the task reading the stream,
+    then cancel the job. The cancel must win even when something lands in the stream's inbox
+    in the same loop turn (as the subscription's confirmation does right after a submit). In
+    that race Python 3.11's ``asyncio.wait_for`` returns the item instead of raising: the
+    reader went on waiting, up to EDGEQ_STREAM_TIMEOUT_S, and the gateway's job stayed queued."""
+    job = await named_client.submit("leave now", max_tokens=4)
+    reader = asyncio.create_task(anext(job.stream()))
+    await asyncio.sleep(0.2)  # confirmed and replayed: the reader waits on its inbox
+    assert not reader.done()
+    job._inbox.put_nowait(REPLAY)  # what the client's pub/sub reader does on a confirmation
+    reader.cancel()
+    async with asyncio.timeout(5):
+        await asyncio.gather(reader, return_exceptions=True)
+    assert reader.cancelled()
+    await named_client.redis.delete(named_client.settings.queue)
