@@ -38,6 +38,7 @@ import redis
 from edgeq.bench.cpu import process_cpu_s
 from edgeq.core.keys import events_key
 from edgeq.core.protocol import DeltaEvent, ErrorEvent
+from edgeq.core.tasks import cancel_and_wait
 from edgeq.testing.processes import RedisServer, WorkerProcess
 
 QUEUE = "edgeq:capacity"
@@ -152,8 +153,7 @@ async def _follow(plan: SubscriberPlan) -> SubscriberReport:
     ) as client:
         tasks = [asyncio.create_task(user()) for _ in range(plan.users)]
         await asyncio.sleep(max(0.0, end - time.time()))
-        for task in tasks:
-            task.cancel()
+        await cancel_and_wait(*tasks)
         results = await asyncio.gather(*tasks, return_exceptions=True)
     for result in results:
         if isinstance(result, Exception):

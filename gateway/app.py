@@ -51,6 +51,7 @@ from edgeq.core.protocol import (
 )
 from edgeq.core.registry import live_workers
 from edgeq.core.scheduling import DEFAULT_PRIORITY, TENANT_PATTERN
+from edgeq.core.tasks import cancel_and_wait
 from edgeq.gateway.openai_api import (
     ChatCompletionRequest,
     ErrorType,
@@ -160,9 +161,7 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
             return work.result()
         raise ClientGone
     finally:
-        for task in (work, listener):
-            task.cancel()
-        await asyncio.gather(work, listener, return_exceptions=True)
+        await cancel_and_wait(work, listener)
 
 
 async def _disconnected(request: Request) -> None:

@@ -24,6 +24,7 @@ from redis.asyncio.client import PubSub
 
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.keys import stream_channel
+from edgeq.core.tasks import cancel_and_wait
 
 #: Put on a job's queue when its subscription took effect, or came back after an outage:
 #: events published before may have been missed, the replay stream has them. (An event is
@@ -105,11 +106,7 @@ class StreamSubscriptions:
                     await pubsub.unsubscribe(channel)
 
     async def aclose(self) -> None:
-        for task in (self._reader, self._subscriber):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(*(task for task in (self._reader, self._subscriber) if task))
         self._reader = self._subscriber = None
         pending, self._pending = self._pending, []
         for _, sent in pending:  # submits still waiting for their SUBSCRIBE: it never went out

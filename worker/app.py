@@ -36,6 +36,7 @@ from edgeq.core.leases import (
 from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
+from edgeq.core.tasks import cancel_and_wait
 from edgeq.worker.engine import ChatEngine
 from edgeq.worker.jobs import chat
 from edgeq.worker.metrics import WorkerMetrics, serve_metrics
@@ -242,11 +243,7 @@ async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngi
 async def stop_engine(ctx: dict[str, Any]) -> None:
     state = worker_state(ctx)
     background, state.background = state.background, []
-    for task in background:  # the keep-alive round and the watchdog: sleep loops
-        task.cancel()
-    for task in background:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    await cancel_and_wait(*background)  # the keep-alive round and the watchdog: sleep loops
     with contextlib.suppress(*REDIS_ERRORS):  # else its record expires within a lease
         await remove_worker(state.redis, state.settings.queue, worker_id())
     engine, state.engine = state.engine, None

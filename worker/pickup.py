@@ -69,6 +69,7 @@ from edgeq.core.keys import (
 )
 from edgeq.core.leases import lease_expiry_lua
 from edgeq.core.scheduling import FAIR_QUEUING_LUA
+from edgeq.core.tasks import cancel_and_wait
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
@@ -504,7 +505,5 @@ class FastPickupWorker(Worker):
 
     async def close(self) -> None:
         if self._wake_listener is not None:
-            self._wake_listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._wake_listener
+            await cancel_and_wait(self._wake_listener)
         await super().close()
