@@ -5,9 +5,13 @@ round trip (and one socket write) per event-loop turn instead of one per call. T
 lets one worker stream hundreds of chats, and one client submit a burst of them, without a
 connection or a syscall per caller. Each caller still awaits its own reply, in its own order.
 
-The pipeline sends EVALSHA itself rather than redis-py's Script objects: a pipeline holding
-those first asks SCRIPT EXISTS on every execute, a second round trip per batch. A script
-Redis does not have (after a restart) is loaded once and its calls sent again.
+A batch goes out as EVALSHA commands packed by hiredis, written once on one pooled connection,
+and its replies read back in order: what redis-py's pipeline does, without its pure-Python
+packing, which cost about a tenth of the worker's event loop under the seed's burst
+(docs/benchmarks.md, "Where the worker's time goes"); hiredis packs the same bytes ~7x faster.
+EVALSHA rather than redis-py's Script objects: a pipeline holding those first asks SCRIPT
+EXISTS on every execute, a second round trip per batch. A script Redis does not have (after
+a restart) is loaded once and its calls sent again.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from hiredis import pack_command
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 Call = tuple[Sequence[str], Sequence[bytes | str | int]]  # keys, args
 
@@ -79,7 +84,23 @@ class BatchedScript:
         return replies
 
     async def _send(self, calls: Sequence[Call]) -> list[Any]:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                pipe.evalsha(self._sha, len(keys), *keys, *args)
-            return list(await pipe.execute(raise_on_error=False))
+        packed = b"".join(
+            pack_command(("EVALSHA", self._sha, len(keys), *keys, *args)) for keys, args in calls
+        )
+        pool = self._redis.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(packed)
+            replies: list[Any] = []
+            for _ in calls:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as error:  # this call's own error: the next reply follows
+                    replies.append(error)
+            return replies
+        except BaseException:
+            # Replies left unread would be read by the connection's next user as its own.
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(connection)
