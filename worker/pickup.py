@@ -16,7 +16,7 @@ order, so the slower one loses every race and sits idle while jobs wait. Here:
   ``Job.abort``, which signals nothing) and every ``IDLE_WAIT_S`` when idle (a producer that
   did not signal). A busy worker used to poll every 10 ms for all of these: ~200 round trips a
   second while anything ran, about a quarter of its CPU streaming one chat
-  (docs/benchmarks.md);
+  (docs/benchmarks-history.md);
 - each poll is one Lua script (``claim_due_jobs``) that reads the queue's head and takes as
   many due jobs as the worker has free slots, setting arq's own in-progress key as arq would:
   whichever worker runs it first takes what it can hold, the next one takes the rest, and no
