@@ -10,7 +10,7 @@ import pickle
 import signal
 import statistics
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -155,17 +155,26 @@ def runs_by_worker(workers: list[WorkerProcess], job_ids: set[str]) -> dict[str,
     return owners
 
 
-async def kill_and_check_engine_dies(worker: WorkerProcess, *, bounded: bool = True) -> float:
+async def kill_and_check_engine_dies(
+    worker: WorkerProcess,
+    *,
+    bounded: bool = True,
+    once_dead: Callable[[], Awaitable[None]] | None = None,
+) -> float:
     """SIGKILL to the worker's pid alone, as an OOM kill or `kill -9` would: no code runs in
     the worker, and nobody kills its process tree for it. Its processes must all die, within
     ENGINE_DEATH_S when ``bounded`` (a process with gigabytes mapped takes a while to exit: on
     two cores shared with a second busy engine that took 3.6-8.6 s, so there it is measured
-    only). Returns when the kill was."""
+    only). ``once_dead`` is awaited as soon as the worker's own pid is gone (it sends nothing
+    more from then on), before its engine processes are waited for. Returns when the kill was."""
     engine = psutil.Process(worker.process.pid).children(recursive=True)
     assert any(p.name().startswith("VLLM::") for p in engine), [p.name() for p in engine]
     worker.process.kill()
     killed = time.monotonic()
     try:
+        if once_dead is not None:
+            await asyncio.to_thread(worker.process.wait)
+            await once_dead()
         # Waited for longer than the bound, so that a miss says by how much.
         deaths: dict[str, float] = {}
 
@@ -277,11 +286,15 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         streams = [job.stream() for job in jobs]  # read from the start: the replay buffer
         seen: list[list[StreamEvent]] = [[] for _ in jobs]
 
+        async def still_running() -> None:
+            # The victim can still land a done it held when its engine froze (its event loop
+            # slow on a busy machine): what must be continued is what had not ended when it
+            # died, taken before the survivor's lease check can hand anything over.
+            nonlocal moved
+            moved = await unfinished(chaos_client.redis, moved)
+
         killed_at = time.time()
-        await kill_and_check_engine_dies(victim, bounded=False)
-        # The victim can still land a done it held when its engine froze (its event loop slow
-        # on a busy machine): what must be continued is what had not ended when it died.
-        moved = await unfinished(chaos_client.redis, moved)
+        await kill_and_check_engine_dies(victim, bounded=False, once_dead=still_running)
         assert moved, "the victim had finished every chat before it died"
         await asyncio.wait_for(
             asyncio.gather(*(follow(stream, events)
