@@ -9,10 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-
-#: vLLM names its engine processes so (``VLLM::EngineCore``, ``VLLM::Worker``).
-ENGINE_PROCESS_PREFIX = "VLLM::"
 
 
 def process_cpu_s(pid: int) -> float:
@@ -20,24 +16,6 @@ def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (float(fields[11]) + float(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def engine_pids(parent: int) -> list[int]:
-    """vLLM's engine processes among ``parent``'s descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):  # a process that ended while we looked
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(parent, ()))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, ()))
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().startswith(ENGINE_PROCESS_PREFIX):
-                found.append(pid)
-    return sorted(found)
 
 
 def cpu_s_by_role(pids: Mapping[str, Sequence[int]]) -> dict[str, float]:

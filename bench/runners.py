@@ -25,12 +25,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from edgeq.bench.cpu import cpu_s_by_role, engine_pids
+from edgeq.bench.cpu import cpu_s_by_role
 from edgeq.bench.records import ModeRun, RequestRecord
 from edgeq.bench.targets import ChunkClock, DirectTarget, OpenAITarget, QueueTarget, Target
 from edgeq.bench.workload import BenchRequest, Workload
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.testing.processes import RedisServer, WorkerProcess
+from edgeq.worker.engine_processes import engine_pids
 
 #: Long enough to check a target really generates, short enough to cost nothing.
 WARMUP_MAX_TOKENS = 4

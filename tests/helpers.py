@@ -20,7 +20,6 @@ import psutil
 import redis
 from redis.asyncio import Redis
 
-from edgeq.bench.cpu import engine_pids
 from edgeq.core.keys import stream_channel, wake_channel
 from edgeq.core.protocol import JOB_FUNCTION, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.testing.processes import (
@@ -31,6 +30,7 @@ from edgeq.testing.processes import (
     tiny_model_env,
     wait_for_port,
 )
+from edgeq.worker.engine_processes import engine_pids
 
 # The tiny model's context in tests: short, so "prompt too long" is cheap to provoke, and long
 # enough for Qwen3's tools section (~400 tokens of the tiny vocabulary) with an answer.

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from edgeq.bench.cpu import cpu_s_by_role, engine_pids, process_cpu_s
+from edgeq.bench.cpu import cpu_s_by_role, process_cpu_s
+from edgeq.worker.engine_processes import engine_pids
 
 # A child that names itself as vLLM names its engine processes, then burns CPU until killed.
 ENGINE_LIKE = """

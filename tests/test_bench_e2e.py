@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from edgeq.bench.cpu import engine_pids
 from edgeq.bench.metrics import calculate_metrics
 from edgeq.bench.records import ModeRun
 from edgeq.bench.runners import run_target
@@ -19,6 +18,7 @@ from edgeq.bench.targets import DirectTarget, QueueTarget
 from edgeq.bench.workload import Workload, WorkloadSpec, build_workload, load_tokenizer
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.testing.processes import WorkerProcess
+from edgeq.worker.engine_processes import engine_pids
 from edgeq.worker.settings import WorkerSettings
 from helpers import EDGEQ, TEST_MAX_MODEL_LEN
 

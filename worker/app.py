@@ -247,8 +247,8 @@ async def stop_engine(ctx: dict[str, Any]) -> None:
     with contextlib.suppress(*REDIS_ERRORS):  # else its record expires within a lease
         await remove_worker(state.redis, state.settings.queue, worker_id())
     engine, state.engine = state.engine, None
-    if engine is not None:
-        engine.shutdown()
+    if engine is not None:  # seconds of waiting for its processes to exit: off the loop
+        await asyncio.to_thread(engine.shutdown)
     log.info("worker_stopped", worker=worker_id())
 
 

@@ -17,6 +17,7 @@ from edgeq.core.errors import ConfigError
 from edgeq.core.protocol import ChatMessage, ChatRequest
 from edgeq.core.scheduling import Priority, band_of
 from edgeq.core.structured import Tool
+from edgeq.worker.engine_processes import engine_pids, kill_and_wait, wait_until_gone
 from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.vllm_plugin import ENABLE_ENV, NICE_ENV, OWNER_ENV
@@ -27,6 +28,12 @@ BANNED_LOGIT_BIAS = -100.0
 
 # The CPU attention kernel works on blocks that are a multiple of this many tokens.
 CPU_BLOCK_MULTIPLE = 32
+
+# Stopping: how long vLLM's engine processes get to exit on SIGTERM before vLLM kills them
+# (vLLM's own default is 5 s, too short for a process holding gigabytes on a busy machine),
+# then how long their exit is waited for before and after a SIGKILL of whatever is left.
+ENGINE_STOP_TIMEOUT_S = 20.0
+ENGINE_EXIT_WAIT_S = 10.0
 
 WARMUP_MESSAGES = (ChatMessage(role="user", content="Hello"),)
 WARMUP_TOKENS = 4
@@ -140,8 +147,16 @@ class ChatEngine:
         return describe_device(self.settings)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        """Stop the engine and return only once its processes have exited. vLLM kills what
+        outlasts its timeout without waiting for it to die, and a process with gigabytes mapped
+        takes seconds to: a worker returning before that would leave its supervisor to kill
+        the engine (systemd's KillMode=mixed SIGKILLs whatever is left once the worker exits)
+        and a restarted worker beside a dying engine's memory."""
+        processes = engine_pids(os.getpid())
+        self.llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
         self._render_thread.shutdown(wait=False, cancel_futures=True)
+        if left := wait_until_gone(processes, ENGINE_EXIT_WAIT_S):
+            kill_and_wait(left, ENGINE_EXIT_WAIT_S)
 
     def answer_reader(self, request: ChatRequest) -> AnswerReader:
         return AnswerReader(request, self._tokenizer)
