@@ -11,7 +11,12 @@ from collections.abc import Iterator
 import pytest
 
 from edgeq.bench.cpu import cpu_s_by_role, process_cpu_s
-from edgeq.worker.engine_processes import engine_pids
+from edgeq.worker.engine_processes import (
+    engine_pids,
+    identify,
+    kill_and_wait,
+    wait_until_gone,
+)
 
 # A child that names itself as vLLM names its engine processes, then burns CPU until killed.
 ENGINE_LIKE = """
@@ -58,3 +63,42 @@ def test_cpu_by_role_counts_what_each_role_used_and_a_gone_process_as_zero(
     assert after["engine"] - before["engine"] > 0.1  # a busy loop, for half a second
     assert before["gone"] == after["gone"] == 0.0
     assert process_cpu_s(other.pid) > 0
+
+
+# A child that starts an engine-like child of its own, as a worker started by a test does.
+WORKER_LIKE = """
+import subprocess, sys, time
+command = [sys.executable, "-c", sys.argv[1], "VLLM::EngineCore"]
+engine = subprocess.Popen(command, stdout=subprocess.PIPE)
+assert engine.stdout.readline() == b"named\\n"
+print(engine.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_s_own_engine_leaves_out_the_engines_of_processes_it_started(
+    busy_children: list[subprocess.Popen[bytes]],
+) -> None:
+    engine, _ = busy_children
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER_LIKE, ENGINE_LIKE], stdout=subprocess.PIPE
+    )
+    assert worker.stdout is not None
+    workers_engine = int(worker.stdout.readline())
+    try:
+        assert {engine.pid, workers_engine} <= set(engine_pids(os.getpid()))
+        own = engine_pids(os.getpid(), own=True)
+        assert engine.pid in own and workers_engine not in own
+    finally:
+        os.kill(workers_engine, 9)
+        worker.kill()
+        worker.wait()
+
+
+def test_an_engine_process_is_waited_for_until_killed(
+    busy_children: list[subprocess.Popen[bytes]],
+) -> None:
+    engine, _ = busy_children
+    (process,) = identify([engine.pid])
+    assert wait_until_gone([process], timeout_s=0.2) == [process]  # busy, not ending
+    assert kill_and_wait([process], timeout_s=5) == []  # a zombie counts as gone: no memory

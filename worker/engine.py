@@ -17,7 +17,13 @@ from edgeq.core.errors import ConfigError
 from edgeq.core.protocol import ChatMessage, ChatRequest
 from edgeq.core.scheduling import Priority, band_of
 from edgeq.core.structured import Tool
-from edgeq.worker.engine_processes import engine_pids, kill_and_wait, wait_until_gone
+from edgeq.worker.engine_processes import (
+    ProcessId,
+    engine_pids,
+    identify,
+    kill_and_wait,
+    wait_until_gone,
+)
 from edgeq.worker.reasoning import THINK_CLOSE, THINK_OPEN
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.vllm_plugin import ENABLE_ENV, NICE_ENV, OWNER_ENV
@@ -111,8 +117,15 @@ def describe_device(settings: WorkerSettings) -> str:
 class ChatEngine:
     """One AsyncLLM for the life of the worker, plus its tokenizer and the box's defaults."""
 
-    def __init__(self, llm: AsyncLLM, tokenizer: Any, settings: WorkerSettings) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        tokenizer: Any,
+        settings: WorkerSettings,
+        processes: Sequence[ProcessId] = (),
+    ) -> None:
         self.llm = llm
+        self._processes = list(processes)  # the engine's own VLLM:: processes
         self.settings = settings
         self.max_model_len: int = llm.model_config.max_model_len
         self._by_priority = settings.engine_scheduling == "priority"
@@ -127,11 +140,13 @@ class ChatEngine:
     async def start(cls, settings: WorkerSettings) -> ChatEngine:
         """Build the engine (blocking: model load and KV allocation happen in its processes)."""
         os.environ[NICE_ENV] = str(settings.engine_nice)  # read by the processes it spawns
+        others = set(engine_pids(os.getpid(), own=True))  # another engine of this process
         llm = AsyncLLM.from_engine_args(engine_args(settings))
+        processes = identify(pid for pid in engine_pids(os.getpid(), own=True) if pid not in others)
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM releases
             tokenizer = await tokenizer
-        return cls(llm, tokenizer, settings)
+        return cls(llm, tokenizer, settings, processes)
 
     async def warm_up(self) -> None:
         """One short generation, so the first real job does not pay for lazy initialisation."""
@@ -152,10 +167,9 @@ class ChatEngine:
         takes seconds to: a worker returning before that would leave its supervisor to kill
         the engine (systemd's KillMode=mixed SIGKILLs whatever is left once the worker exits)
         and a restarted worker beside a dying engine's memory."""
-        processes = engine_pids(os.getpid())
         self.llm.shutdown(timeout=ENGINE_STOP_TIMEOUT_S)
         self._render_thread.shutdown(wait=False, cancel_futures=True)
-        if left := wait_until_gone(processes, ENGINE_EXIT_WAIT_S):
+        if left := wait_until_gone(self._processes, ENGINE_EXIT_WAIT_S):
             kill_and_wait(left, ENGINE_EXIT_WAIT_S)
 
     def answer_reader(self, request: ChatRequest) -> AnswerReader:

@@ -26,7 +26,7 @@ from edgeq.core.keys import in_progress_key, leases_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
-from edgeq.worker.engine_processes import engine_pids, wait_until_gone
+from edgeq.worker.engine_processes import engine_pids, identify, wait_until_gone
 from helpers import FIGURES, arq_job_bytes, engine_env, engine_of, run_raw_job
 
 pytestmark = pytest.mark.engine
@@ -93,7 +93,7 @@ async def test_sigterm_lets_twenty_running_chats_finish(
     # Freeze vLLM's engine processes, so the 20 chats are provably still running at SIGTERM
     # however fast or slow this machine is; they resume during the drain.
     engine = psutil.Process(worker.process.pid).children(recursive=True)
-    vllm = engine_pids(worker.process.pid)
+    vllm = identify(engine_pids(worker.process.pid))
     for process in engine:
         process.suspend()
     try:
