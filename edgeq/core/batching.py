@@ -1,17 +1,22 @@
 """Calls of one Lua script from many coroutines, sent to Redis together.
 
-Calls that arrive while a round trip is in flight go out together in the next pipeline: one
+Calls that arrive while a round trip is in flight go out together in the next batch: one
 round trip (and one socket write) per event-loop turn instead of one per call. That is what
 lets one worker stream hundreds of chats, and one client submit a burst of them, without a
 connection or a syscall per caller. Each caller still awaits its own reply, in its own order.
 
-A batch goes out as EVALSHA commands packed by hiredis, written once on one pooled connection,
-and its replies read back in order: what redis-py's pipeline does, without its pure-Python
-packing, which cost about a tenth of the worker's event loop under the seed's burst
-(docs/benchmarks.md, "Where the worker's time goes"); hiredis packs the same bytes ~7x faster.
-EVALSHA rather than redis-py's Script objects: a pipeline holding those first asks SCRIPT
-EXISTS on every execute, a second round trip per batch. A script Redis does not have (after
-a restart) is loaded once and its calls sent again.
+A batch is one script call: the script is wrapped in a Lua function that runs once per call of
+the batch, each over its own slice of KEYS and ARGV (``combined``), so Redis parses, looks up
+and starts one script per batch instead of one per call, and the worker packs one command and
+reads one reply. A call that raises gets its own error, and the other calls of its batch run,
+as they would have as separate scripts. Redis runs a batch whole, with no other client's
+command in between; no caller relies on one coming between its call and another's. The calls'
+keys must be in one Redis Cluster slot, as every edgeq script's are (a queue's keys and its
+jobs' share the queue's hash tag: core/keys.py).
+
+The command is packed by hiredis (C; redis-py's own packing cost about a tenth of the worker's
+event loop under the seed's burst, docs/benchmarks-history.md) and sent with EVALSHA; a script
+Redis does not have (after a restart) is loaded once and the batch sent again.
 """
 
 from __future__ import annotations
@@ -28,11 +33,33 @@ from redis.exceptions import NoScriptError, ResponseError
 Call = tuple[Sequence[str], Sequence[bytes | str | int]]  # keys, args
 
 
+def combined(source: str) -> str:
+    """``source`` run once per call of a batch, over that call's KEYS and ARGV. ARGV begins
+    with the calls' shapes: how many calls, then each one's key count and argument count. A
+    call that raises replies with its error and the next call runs, as separate scripts
+    would; a call that returns nothing replies nil (false), so the replies keep their places."""
+    return f"""
+local function call(KEYS, ARGV)
+{source}
+end
+local calls = tonumber(ARGV[1])
+local replies, k, a = {{}}, 0, 1 + 2 * calls
+for i = 1, calls do
+  local nk, na = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local ok, reply = pcall(call, {{unpack(KEYS, k + 1, k + nk)}}, {{unpack(ARGV, a + 1, a + na)}})
+  if not ok and type(reply) ~= 'table' then reply = redis.error_reply(tostring(reply)) end
+  replies[i] = reply or false
+  k, a = k + nk, a + na
+end
+return replies
+"""
+
+
 class BatchedScript:
     def __init__(self, redis: Redis, source: str) -> None:
         self._redis = redis
-        self._source = source
-        self._sha = hashlib.sha1(source.encode()).hexdigest()
+        self._source = combined(source)
+        self._sha = hashlib.sha1(self._source.encode()).hexdigest()
         self._queued: list[tuple[Call, asyncio.Future[Any]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
@@ -40,7 +67,7 @@ class BatchedScript:
         return (await self.call_many([(keys, args)]))[0]
 
     async def call_many(self, calls: Sequence[Call]) -> list[Any]:
-        """Several calls, in order, in the same pipeline; their replies in the same order."""
+        """Several calls, in order, in the same batch; their replies in the same order."""
         loop = asyncio.get_running_loop()
         futures = []
         for call in calls:
@@ -74,32 +101,28 @@ class BatchedScript:
                     future.set_result(reply)
 
     async def _execute(self, calls: Sequence[Call]) -> list[Any]:
-        replies = await self._send(calls)
-        missing = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if missing:  # Redis restarted (or its scripts were flushed): they ran nowhere
+        try:
+            return await self._send(calls)
+        except NoScriptError:  # Redis restarted (or its scripts were flushed): nothing ran
             await self._redis.script_load(self._source)
-            again = await self._send([calls[n] for n in missing])
-            for n, reply in zip(missing, again, strict=True):
-                replies[n] = reply
-        return replies
+            return await self._send(calls)
 
     async def _send(self, calls: Sequence[Call]) -> list[Any]:
-        packed = b"".join(
-            pack_command(("EVALSHA", self._sha, len(keys), *keys, *args)) for keys, args in calls
-        )
+        keys = [key for call_keys, _ in calls for key in call_keys]
+        shapes = [count for call_keys, args in calls for count in (len(call_keys), len(args))]
+        args = [arg for _, call_args in calls for arg in call_args]
+        command = ("EVALSHA", self._sha, len(keys), *keys, len(calls), *shapes, *args)
+        packed = pack_command(command)
         pool = self._redis.connection_pool
         connection = await pool.get_connection()
         try:
             await connection.send_packed_command(packed)
-            replies: list[Any] = []
-            for _ in calls:
-                try:
-                    replies.append(await connection.read_response())
-                except ResponseError as error:  # this call's own error: the next reply follows
-                    replies.append(error)
-            return replies
+            # A call's own error (there is none in edgeq's scripts) arrives inside the list.
+            return list(await connection.read_response())
+        except ResponseError:
+            raise  # the reply was read: the connection is clean
         except BaseException:
-            # Replies left unread would be read by the connection's next user as its own.
+            # A reply left unread would be read by the connection's next user as its own.
             await connection.disconnect(nowait=True)
             raise
         finally:
