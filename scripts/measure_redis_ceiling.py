@@ -10,8 +10,9 @@ and reports the events/s and the Redis CPU per event when Redis is the busy one.
 
 Modes, alternated over the rounds:
 
-- ``pipelined``: EVALSHA one event per call, 16 calls per pipeline, as the worker's
-  BatchedScript sends them (``-P 16``);
+- ``pipelined``: EVALSHA one event per call, 16 calls per pipeline (``-P 16``), as the
+  worker sent them until its batches became one script call each (core/batching.py): the
+  publish script's own cost per event, without the batch's loop;
 - ``unpipelined``: one call per round trip.
 
 Each delta goes to one of 256 jobs (``-r 256``: a box's batch), with a 5-character text.
