@@ -59,8 +59,9 @@ class DecodeClock:
         self._task = asyncio.create_task(self._run())
 
     def stop(self) -> None:
+        """Safe from any thread (the worker stops its engine off the event loop)."""
         if self._task is not None:
-            self._task.cancel()
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
 
     async def next_step(self) -> int:
         """Wait for the next step to complete; the number of steps completed by then."""
