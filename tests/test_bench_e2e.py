@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from edgeq.bench.metrics import calculate_metrics
@@ -17,6 +20,7 @@ from edgeq.bench.runners import run_target
 from edgeq.bench.targets import DirectTarget, QueueTarget
 from edgeq.bench.workload import Workload, WorkloadSpec, build_workload, load_tokenizer
 from edgeq.core.settings import ConnectionSettings, load_settings
+from edgeq.exit_codes import EXIT_INTERRUPTED
 from edgeq.testing.processes import WorkerProcess
 from edgeq.worker.engine_processes import engine_pids
 from edgeq.worker.settings import WorkerSettings
@@ -36,6 +40,10 @@ SEED = 7
 # Roomy: the CLI imports transformers and matplotlib before the first request.
 CLI_TIMEOUT_S = 180
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# After the bench starts its worker: it is importing and building its engine.
+WORKER_STARTING_S = 3
+# A worker stopped during its engine's start-up, its engine processes and Redis.
+STOPPED_WITHIN_S = 30
 # Rounding of sums of float gaps, in seconds.
 CLOCK_SLACK_S = 1e-6
 
@@ -93,6 +101,33 @@ def assert_requests_match_the_workload(requests: list[dict[str, Any]], workload:
             assert record["output_tokens"] == MAX_TOKENS
         assert 0 < record["ttft_s"] <= record["e2el_s"]
         assert record["ttft_s"] + sum(record["itl_s"]) <= record["e2el_s"] + CLOCK_SLACK_S
+
+
+def test_a_bench_ended_by_sigterm_stops_the_worker_and_redis_it_started(
+    tiny_model: Path, cli_env: dict[str, str]
+) -> None:
+    bench = subprocess.Popen(
+        [*EDGEQ, "bench", "--start-worker", "--model", str(tiny_model), "--users", "1"],
+        env=cli_env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert bench.stderr is not None
+        for line in bench.stderr:  # the worker's engine is starting: the bench owns processes
+            if "starting a private Redis and a worker" in line:
+                break
+        time.sleep(WORKER_STARTING_S)
+        started = psutil.Process(bench.pid).children(recursive=True)
+        assert {"redis-server", "python"} <= {process.name() for process in started}, started
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(CLI_TIMEOUT_S) == EXIT_INTERRUPTED
+        _, alive = psutil.wait_procs(started, timeout=STOPPED_WITHIN_S)
+        assert not alive, alive
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
 
 
 def test_bench_through_the_queue(
