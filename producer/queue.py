@@ -92,7 +92,7 @@ class JobQueue:
     def __init__(self, redis: Redis, queue: str) -> None:
         self.name = queue
         self._redis = redis
-        # Submits from many coroutines share one pipeline per loop turn (core/batching.py).
+        # Submits from many coroutines share one script call per loop turn (core/batching.py).
         self._enqueue = BatchedScript(redis, _ENQUEUE)
         self._dequeue = redis.register_script(_DEQUEUE)
         self._scheduling_keys = [

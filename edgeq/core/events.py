@@ -105,7 +105,7 @@ class EventLog:
     """Appends events to jobs' logs (replay stream + pub/sub) through the publish script.
 
     Appends from all jobs that arrive while a round trip is in flight go out together in the
-    next pipeline (core/batching.py). Each caller still awaits its own result, so per-job
+    next script call (core/batching.py). Each caller still awaits its own result, so per-job
     order and StreamClosed are unchanged.
     """
 
