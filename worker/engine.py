@@ -140,7 +140,7 @@ class ChatEngine:
     async def start(cls, settings: WorkerSettings) -> ChatEngine:
         """Build the engine (blocking: model load and KV allocation happen in its processes)."""
         os.environ[NICE_ENV] = str(settings.engine_nice)  # read by the processes it spawns
-        others = set(engine_pids(os.getpid(), own=True))  # another engine of this process
+        others = set(engine_pids(os.getpid(), own=True))  # engines this process already runs
         llm = AsyncLLM.from_engine_args(engine_args(settings))
         processes = identify(pid for pid in engine_pids(os.getpid(), own=True) if pid not in others)
         tokenizer = llm.get_tokenizer()

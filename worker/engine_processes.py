@@ -17,16 +17,23 @@ ENGINE_PROCESS_PREFIX = "VLLM::"
 EXIT_POLL_S = 0.05
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the third (state) on; None once the pid is free."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def engine_pids(parent: int, *, own: bool = False) -> list[int]:
     """vLLM's engine processes among ``parent``'s descendants. ``own``: only the engine that
     ``parent`` runs itself (its ``VLLM::`` children and theirs), not those of other programs
     it started (a test's workers, each with its engine)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):  # a process that ended while we looked
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
+        # A process that ended while we looked has no stat.
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry.name))
     found, todo = [], list(children.get(parent, ()))
     while todo:
         pid = todo.pop()
@@ -47,14 +54,6 @@ class ProcessId:
 
     pid: int
     started: int  # clock ticks after boot at which it started (/proc/PID/stat, field 22)
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields from the third (state) on; None once the pid is free."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
 
 
 def identify(pids: Iterable[int]) -> list[ProcessId]:
