@@ -9,18 +9,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from edgeq import ChatClient, ChatJob, JobFailed, QueueFull
+from edgeq.core.keys import leases_key
 from edgeq.core.scheduling import queued_by_tenant
 from edgeq.producer.status import read_status, render_status
 from edgeq.testing.processes import RedisServer, WorkerProcess
 from tests.helpers import FULL_LENGTH_SEEDS, engine_env, engine_of, ready_worker
 
 QUEUE = "edgeq:test-priorities"
+LEASES = leases_key(QUEUE)
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
@@ -50,26 +53,36 @@ async def client(priority_worker: WorkerProcess) -> AsyncIterator[ChatClient]:
         yield client
 
 
-async def occupy(client: ChatClient, count: int) -> list[asyncio.Task[None]]:
-    """``count`` long interactive chats, running once this returns: the slots are full."""
+@asynccontextmanager
+async def occupied(
+    client: ChatClient, worker: WorkerProcess, count: int
+) -> AsyncIterator[list[asyncio.Task[None]]]:
+    """``count`` long interactive chats hold the worker's slots while the block runs. The
+    engine is frozen from before they are sent until the block ends, so none of them can end
+    however fast this machine is (on a fast one 300 tokens took under half a second, and an
+    occupying chat could end while the test was still queueing its backlog); the worker
+    still claims and starts them. Yields their readers, which end after the block."""
 
-    async def read_to_the_end(job: ChatJob, running: asyncio.Event) -> None:
-        async for event in job.stream():
-            if event.type == "delta":
-                running.set()
+    async def read_to_the_end(job: ChatJob) -> None:
+        async for _ in job.stream():
+            pass
 
-    started = [asyncio.Event() for _ in range(count)]
-    readers = [
-        asyncio.create_task(
-            read_to_the_end(
-                await client.submit(MESSAGES, priority="interactive", seed=seed, max_tokens=300),
-                running,
-            )
-        )
-        for seed, running in zip(FULL_LENGTH_SEEDS, started, strict=False)
-    ]
-    await asyncio.gather(*(running.wait() for running in started))
-    return readers
+    engine = engine_of(worker)
+    for process in engine:
+        process.suspend()
+    try:
+        jobs = [
+            await client.submit(MESSAGES, priority="interactive", seed=seed, max_tokens=300)
+            for seed in FULL_LENGTH_SEEDS[:count]
+        ]
+        readers = [asyncio.create_task(read_to_the_end(job)) for job in jobs]
+        async with asyncio.timeout(30):  # each holds a lease once its worker has started it
+            while None in [await client.redis.zscore(LEASES, job.job_id) for job in jobs]:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        yield readers
+    finally:
+        for process in engine:
+            process.resume()
 
 
 async def submit_timed(client: ChatClient, **fields: object) -> tuple[ChatJob, float]:
@@ -86,14 +99,16 @@ async def start_times(submitted: list[tuple[ChatJob, float]]) -> list[float]:
     ]
 
 
-async def start_order(
-    client: ChatClient, worker: WorkerProcess, jobs: dict[str, dict[str, object]]
-) -> list[str]:
-    """Submit all of ``jobs`` (name -> submit fields), wait for every answer, and return the
-    names in the order the worker started them (its job_started log lines: claim order)."""
-    submitted = {
+async def submit_all(client: ChatClient, jobs: dict[str, dict[str, object]]) -> dict[str, ChatJob]:
+    """Submit all of ``jobs`` (name -> submit fields), in order."""
+    return {
         name: await client.submit(MESSAGES, max_tokens=4, **fields) for name, fields in jobs.items()
     }
+
+
+async def start_order(worker: WorkerProcess, submitted: dict[str, ChatJob]) -> list[str]:
+    """Wait for every answer and return the names in the order the worker started the jobs
+    (its job_started log lines: claim order)."""
     await asyncio.gather(*(job.result() for job in submitted.values()))
     names = {job.job_id: name for name, job in submitted.items()}
     return [
@@ -104,11 +119,11 @@ async def start_order(
 
 
 async def test_interactive_chats_start_before_the_batch_work_queued_ahead_of_them(
-    client: ChatClient,
+    client: ChatClient, priority_worker: WorkerProcess
 ) -> None:
-    running = await occupy(client, 1)  # one slot free: the interactive one
-    batch = [await submit_timed(client, priority="batch", tenant="b") for _ in range(6)]
-    interactive = [await submit_timed(client, priority="interactive") for _ in range(2)]
+    async with occupied(client, priority_worker, 1) as running:  # one slot free: interactive
+        batch = [await submit_timed(client, priority="batch", tenant="b") for _ in range(6)]
+        interactive = [await submit_timed(client, priority="interactive") for _ in range(2)]
 
     started = await start_times([*batch, *interactive])
     await asyncio.gather(*running)
@@ -120,42 +135,44 @@ async def test_interactive_chats_start_before_the_batch_work_queued_ahead_of_the
 async def test_tenants_with_work_queued_start_by_weight(
     client: ChatClient, priority_worker: WorkerProcess
 ) -> None:
-    running = await occupy(client, 2)  # both slots busy while the backlog is queued
-    order = await start_order(
-        client,
-        priority_worker,
-        {
-            **{f"a{n}": {"tenant": "a"} for n in range(12)},
-            **{f"b{n}": {"tenant": "b"} for n in range(12)},
-        },
-    )
+    async with occupied(client, priority_worker, 2) as running:  # the backlog queues up
+        submitted = await submit_all(
+            client,
+            {
+                **{f"a{n}": {"tenant": "a"} for n in range(12)},
+                **{f"b{n}": {"tenant": "b"} for n in range(12)},
+            },
+        )
+    order = await start_order(priority_worker, submitted)
     await asyncio.gather(*running)
     assert len(order) == 24
     assert sum(name.startswith("a") for name in order[:8]) == 6, order  # weights 3 : 1
 
 
-async def test_a_capped_tenant_is_refused_while_others_are_not(client: ChatClient) -> None:
-    running = await occupy(client, 2)
-    held = [
-        await client.submit(MESSAGES, tenant="capped", priority="batch", max_tokens=4)
-        for _ in range(2)
-    ]
-    with pytest.raises(QueueFull, match=r"tenant capped already has 2 jobs queued"):
-        await client.submit(MESSAGES, tenant="capped", max_tokens=4)
-    other = await client.submit(MESSAGES, tenant="a", max_tokens=4)
+async def test_a_capped_tenant_is_refused_while_others_are_not(
+    client: ChatClient, priority_worker: WorkerProcess
+) -> None:
+    async with occupied(client, priority_worker, 2) as running:
+        held = [
+            await client.submit(MESSAGES, tenant="capped", priority="batch", max_tokens=4)
+            for _ in range(2)
+        ]
+        with pytest.raises(QueueFull, match=r"tenant capped already has 2 jobs queued"):
+            await client.submit(MESSAGES, tenant="capped", max_tokens=4)
+        other = await client.submit(MESSAGES, tenant="a", max_tokens=4)
 
-    # Running counts come with the worker's heartbeat (every quarter lease): wait for one.
-    for _ in range(50):
-        status = await read_status(client.redis, client.settings)
-        rows = {tenant.tenant: tenant for tenant in status.tenants}
-        if rows.get("default") and rows["default"].running == 2:
-            break
-        await asyncio.sleep(0.05)
-    assert rows["default"].running == 2, rows
-    assert rows["capped"].queued == 2 and rows["capped"].max_queued == 2
-    assert rows["a"].weight == 3 and rows["a"].queued == 1
-    shown = render_status(status)
-    assert "capped" in shown and "priority aging: off (strict priority)" in shown
+        # Running counts come with the worker's heartbeat (every quarter lease): wait for one.
+        for _ in range(50):
+            status = await read_status(client.redis, client.settings)
+            rows = {tenant.tenant: tenant for tenant in status.tenants}
+            if rows.get("default") and rows["default"].running == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert rows["default"].running == 2, rows
+        assert rows["capped"].queued == 2 and rows["capped"].max_queued == 2
+        assert rows["a"].weight == 3 and rows["a"].queued == 1
+        shown = render_status(status)
+        assert "capped" in shown and "priority aging: off (strict priority)" in shown
 
     for job in [*held, other]:
         assert (await job.result()).finish_reason in {"stop", "length"}
@@ -182,15 +199,7 @@ async def test_the_worker_labels_queue_time_and_ttft_by_class_and_tenant(
 async def test_cancel_and_deadline_end_a_queued_batch_job_as_for_any_other(
     client: ChatClient, priority_worker: WorkerProcess
 ) -> None:
-    running = await occupy(client, 2)
-    # The engine is suspended while the batch jobs wait, so the slots stay full however fast
-    # the occupying chats' tokens come (on some machines they end in under half a second).
-    engine = engine_of(priority_worker)
-    for process in engine:
-        process.suspend()
-    try:
-        await asyncio.sleep(0.2)  # whatever the engine had sent lands
-        assert not any(reader.done() for reader in running), "an occupying chat ended"
+    async with occupied(client, priority_worker, 2) as running:
         cancelled = await client.submit(MESSAGES, priority="batch", tenant="capped", max_tokens=4)
         late = await client.submit(
             MESSAGES, priority="batch", tenant="capped", max_tokens=4, deadline_s=0.1
@@ -201,9 +210,6 @@ async def test_cancel_and_deadline_end_a_queued_batch_job_as_for_any_other(
             await cancelled.result()
         assert failure.value.code == "cancelled"
         await asyncio.sleep(0.2)  # late's deadline passes while no slot is free
-    finally:
-        for process in engine:
-            process.resume()
 
     await asyncio.gather(*running)
     with pytest.raises(JobFailed) as failure:

@@ -206,11 +206,17 @@ async def unfinished(redis: Redis, job_ids: set[str]) -> set[str]:
     return {job_id for job_id in job_ids if await finished_with(redis, job_id) is None}
 
 
-async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[str]) -> set[str]:
-    """Suspend the worker's engine processes, so its chats are provably still running when it
-    is killed, however fast this machine is; returns those of ``job_ids`` not ended by then."""
+def freeze(worker: WorkerProcess) -> None:
+    """Suspend the worker's engine processes: its chats stay running, however fast this
+    machine is, and the worker itself still claims and starts new ones."""
     for process in engine_of(worker):
         process.suspend()
+
+
+async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[str]) -> set[str]:
+    """``freeze`` the worker's engine, so its chats are provably still running when it is
+    killed; returns those of ``job_ids`` not ended by then."""
+    freeze(worker)
     await asyncio.sleep(0.2)  # whatever the worker was sending lands
     return await unfinished(redis, job_ids)
 
@@ -324,14 +330,17 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         )
 
         # The only worker killed: the chats wait, and a worker started afterwards (its engine
-        # takes ~30 s to load: longer than a systemd restart delay) continues them.
+        # takes ~30 s to load: longer than a systemd restart delay) continues them. Its engine
+        # is frozen before they are sent: on a fast machine three chats of LONG tokens ended
+        # before a freeze after their start could catch them.
+        freeze(survivor)
         later = [
             await chaos_client.submit(f"alone {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             for i in range(3)
         ]
         later_ids = set(await all_started([survivor], {job.job_id for job in later}))
-        stranded = await freeze_mid_stream(survivor, chaos_client.redis, later_ids)
-        assert stranded, "the only worker was running none of the chats"
+        stranded = await unfinished(chaos_client.redis, later_ids)
+        assert stranded == later_ids, "a chat of the only worker ended with its engine frozen"
         later_streams = [job.stream() for job in later]
         later_seen: list[list[StreamEvent]] = [[] for _ in later]
         await kill_and_check_engine_dies(survivor)
