@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -170,11 +171,30 @@ async def test_backpressure_on_a_cluster(
     # Jobs of the tests before leave arq's queue just after their done event.
     await asyncio.to_thread(_wait_until_empty, cluster)
     async with ChatClient.from_url(cluster.url, queue=QUEUE, max_queue=2) as client:
-        running = [await client.submit("Busy", seed=seed, **LONG) for seed in FULL_LENGTH_SEEDS[:2]]
-        with pytest.raises(QueueFull, match="already holds 2 jobs"):
-            await client.submit("One too many", max_tokens=4)
+        # The engine frozen from before they are sent: the two chats are still running at the
+        # third submit however fast this machine is (a CI run saw the first end first).
+        with frozen(cluster_worker):
+            running = [
+                await client.submit("Busy", seed=seed, **LONG) for seed in FULL_LENGTH_SEEDS[:2]
+            ]
+            with pytest.raises(QueueFull, match="already holds 2 jobs"):
+                await client.submit("One too many", max_tokens=4)
         for job in running:
             assert isinstance((await _events(job))[-1], DoneEvent)
+
+
+@contextmanager
+def frozen(worker: WorkerProcess) -> Iterator[None]:
+    """The worker's engine suspended for the block: its chats stay running (the worker still
+    claims, starts and publishes what it has)."""
+    engine = engine_of(worker)
+    for process in engine:
+        process.suspend()
+    try:
+        yield
+    finally:
+        for process in engine:
+            process.resume()
 
 
 def _wait_until_empty(cluster: LocalCluster, timeout_s: float = 10) -> None:
@@ -219,8 +239,12 @@ async def test_a_failover_during_streaming_loses_no_job_and_no_event(
         streaming = asyncio.Event()
         collected = [asyncio.create_task(_events(job, streaming)) for job in jobs]
         await streaming.wait()  # then promote the replica, mid-stream
-        old, new = await asyncio.to_thread(cluster.fail_over, slot)
-        ended_before_the_failover = sum(task.done() for task in collected)
+        # The engine frozen through the failover, so every chat is still running when it is
+        # done however fast this machine is (a CI run saw all six end during a 4 s failover):
+        # their next events go to the demoted primary first and must find the new one.
+        with frozen(cluster_worker):
+            old, new = await asyncio.to_thread(cluster.fail_over, slot)
+            ended_before_the_failover = sum(task.done() for task in collected)
         streams = await asyncio.gather(*collected)
     assert cluster.owner(slot) == new != old
     assert ended_before_the_failover < len(jobs)  # some chats streamed through it
