@@ -63,6 +63,21 @@ def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
 
 
 @contextmanager
+def frozen(worker: WorkerProcess) -> Iterator[None]:
+    """The worker's engine suspended for the block: chats sent before or during it stay
+    running however fast this machine is, while the worker itself still claims, starts and
+    publishes what it has."""
+    engine = engine_of(worker)
+    for process in engine:
+        process.suspend()
+    try:
+        yield
+    finally:
+        for process in engine:
+            process.resume()
+
+
+@contextmanager
 def ready_worker(env: dict[str, str], log_path: Path) -> Iterator[WorkerProcess]:
     """A worker process, warm and serving, stopped (with its engine) when the block ends."""
     process = WorkerProcess(env, log_path).start()

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,15 @@ from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.client import ChatClient, ChatJob
 from edgeq.testing.processes import WorkerProcess
 from edgeq.worker.settings import WorkerSettings
-from helpers import EDGEQ, FULL_LENGTH_SEEDS, LocalCluster, assert_intact, engine_env, engine_of
+from helpers import (
+    EDGEQ,
+    FULL_LENGTH_SEEDS,
+    LocalCluster,
+    assert_intact,
+    engine_env,
+    engine_of,
+    frozen,
+)
 
 QUEUE = "{edgeq:cluster}"
 LONG = {"max_tokens": 300, "temperature": 1.0}  # with a full-length seed: ~300 tokens
@@ -181,20 +188,6 @@ async def test_backpressure_on_a_cluster(
                 await client.submit("One too many", max_tokens=4)
         for job in running:
             assert isinstance((await _events(job))[-1], DoneEvent)
-
-
-@contextmanager
-def frozen(worker: WorkerProcess) -> Iterator[None]:
-    """The worker's engine suspended for the block: its chats stay running (the worker still
-    claims, starts and publishes what it has)."""
-    engine = engine_of(worker)
-    for process in engine:
-        process.suspend()
-    try:
-        yield
-    finally:
-        for process in engine:
-            process.resume()
 
 
 def _wait_until_empty(cluster: LocalCluster, timeout_s: float = 10) -> None:

@@ -20,7 +20,7 @@ from edgeq.core.keys import leases_key
 from edgeq.core.scheduling import queued_by_tenant
 from edgeq.producer.status import read_status, render_status
 from edgeq.testing.processes import RedisServer, WorkerProcess
-from tests.helpers import FULL_LENGTH_SEEDS, engine_env, engine_of, ready_worker
+from tests.helpers import FULL_LENGTH_SEEDS, engine_env, frozen, ready_worker
 
 QUEUE = "edgeq:test-priorities"
 LEASES = leases_key(QUEUE)
@@ -67,10 +67,7 @@ async def occupied(
         async for _ in job.stream():
             pass
 
-    engine = engine_of(worker)
-    for process in engine:
-        process.suspend()
-    try:
+    with frozen(worker):
         jobs = [
             await client.submit(MESSAGES, priority="interactive", seed=seed, max_tokens=300)
             for seed in FULL_LENGTH_SEEDS[:count]
@@ -80,9 +77,6 @@ async def occupied(
             while None in [await client.redis.zscore(LEASES, job.job_id) for job in jobs]:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         yield readers
-    finally:
-        for process in engine:
-            process.resume()
 
 
 async def submit_timed(client: ChatClient, **fields: object) -> tuple[ChatJob, float]:

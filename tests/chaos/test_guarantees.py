@@ -414,12 +414,18 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
         ]
         streams = [job.stream() for job in jobs]
         seen = [[await anext(stream)] for stream in streams]  # every chat is generating
-        # The worker stays frozen a while after Redis is back, so the waiting clients find every
-        # lease run out (on Redis's clock) before it can renew one: none may be handed over
-        # (the chats would be continued, or end worker_lost), as it was Redis that was away.
+        # The worker is frozen before Redis goes, and stays frozen a while after Redis is back,
+        # so the waiting clients find every lease run out (on Redis's clock) before it can renew
+        # one: none may be handed over (the chats would be continued, or end worker_lost), as
+        # it was Redis that was away. Frozen first, no chat can end after `running` is read,
+        # however fast this machine is (a CI run saw one end between its first event and the
+        # outage).
+        worker_process.suspend()
+        await asyncio.sleep(0.2)  # whatever the worker was sending lands
+        running = await unfinished(client.redis, {job.job_id for job in jobs})
+        assert running, "every chat ended before Redis went away"
         auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
         away = time.monotonic()
-        worker_process.suspend()
         await asyncio.sleep(2 * lease_ttl_s)
         with pytest.raises(RedisUnavailable):  # producers get a clear error meanwhile
             await client.submit("while Redis is away", max_tokens=4)
@@ -437,8 +443,8 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
             *(rest(stream, events) for stream, events in zip(streams, seen, strict=True))
         )
         await asyncio.sleep(lease_ttl_s / 2)  # the clients check the leases each second
-        for job in jobs:  # still its worker's: not made claimable for another to continue
-            assert await client.redis.exists(in_progress_key(job.job_id))
+        for job_id in running:  # still its worker's: not made claimable for another to continue
+            assert await client.redis.exists(in_progress_key(job_id))
         worker_process.resume()
         resumed = time.monotonic()
         await asyncio.wait_for(rests, timeout=90)
