@@ -413,7 +413,9 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
             for i in range(10)
         ]
         streams = [job.stream() for job in jobs]
-        seen = [[await anext(stream)] for stream in streams]  # every chat is generating
+        # Every chat is generating: read all first events at once, not one after another (on a
+        # fast machine all ten ended while their first events were read in turn).
+        seen = [[first] for first in await asyncio.gather(*(anext(stream) for stream in streams))]
         # The worker is frozen before Redis goes, and stays frozen a while after Redis is back,
         # so the waiting clients find every lease run out (on Redis's clock) before it can renew
         # one: none may be handed over (the chats would be continued, or end worker_lost), as
