@@ -4,7 +4,7 @@ records (arq, uvicorn) rendered the same way, one JSON object per line on stderr
 Rendering and writing happen on a thread of their own (the stdlib's QueueHandler and
 QueueListener): the caller only builds the event and puts it on a queue. A worker's event loop
 logs twice per job; rendering and writing a line there cost it 25 µs (stderr to /dev/null) to
-35-50 µs (to a pipe), paid by every chat of a burst queued behind it, against ~15 µs now
+35-50 µs (to a pipe), paid by every chat of a burst queued behind it, against 16-21 µs now
 (docs/benchmarks.md); and a stderr that stops taking lines (a stalled journald) would have
 stopped every stream. What must be read where the event happens is read there: the time, the
 job's bound context, a stdlib record's message. Lines still queued at exit are written before
