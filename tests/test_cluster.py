@@ -9,6 +9,7 @@ and no event, and two queues can live on two different primaries.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ import redis
 
 from edgeq.core.cluster import ClusterTarget, hash_tag, parse_cluster_url, queue_slot
 from edgeq.core.errors import ConfigError, QueueFull
-from edgeq.core.keys import leases_key, new_job_id
+from edgeq.core.keys import events_key, leases_key, new_job_id
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.client import ChatClient, ChatJob
@@ -118,15 +119,10 @@ def _worker_env(tiny_model: Path, cluster: LocalCluster) -> dict[str, str]:
     }
 
 
-async def _events(job: ChatJob, streaming: asyncio.Event | None = None) -> list[StreamEvent]:
-    """The job's whole stream; ``streaming`` is set at its first event."""
-    events: list[StreamEvent] = []
+async def _events(job: ChatJob) -> list[StreamEvent]:
+    """The job's whole stream."""
     async with asyncio.timeout(CHAT_TIMEOUT_S):
-        async for event in job.stream():
-            events.append(event)
-            if streaming is not None:
-                streaming.set()
-    return events
+        return [event async for event in job.stream()]
 
 
 @pytest.mark.engine
@@ -190,6 +186,17 @@ async def test_backpressure_on_a_cluster(
             assert isinstance((await _events(job))[-1], DoneEvent)
 
 
+def _first_event_stored(cluster: LocalCluster, job_ids: list[str]) -> None:
+    """Until one of the jobs has an event in its replay stream. Read on the queue's primary,
+    not from the client's live stream: under load a test saw its subscription deliver the
+    first event only after every chat had ended, and froze the engine too late."""
+    deadline = time.monotonic() + CHAT_TIMEOUT_S
+    with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
+        while not any(owner.xlen(events_key(job_id)) for job_id in job_ids):
+            assert time.monotonic() < deadline, f"no event of {job_ids} after {CHAT_TIMEOUT_S} s"
+            time.sleep(0.005)
+
+
 def _wait_until_empty(cluster: LocalCluster, timeout_s: float = 10) -> None:
     with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
         deadline = time.monotonic() + timeout_s
@@ -229,9 +236,8 @@ async def test_a_failover_during_streaming_loses_no_job_and_no_event(
             await client.submit(f"Failover {n}", seed=FULL_LENGTH_SEEDS[n % 3], **LONG)
             for n in range(6)
         ]
-        streaming = asyncio.Event()
-        collected = [asyncio.create_task(_events(job, streaming)) for job in jobs]
-        await streaming.wait()  # then promote the replica, mid-stream
+        collected = [asyncio.create_task(_events(job)) for job in jobs]
+        await asyncio.to_thread(_first_event_stored, cluster, [job.job_id for job in jobs])
         # The engine frozen through the failover, so every chat is still running when it is
         # done however fast this machine is (a CI run saw all six end during a 4 s failover):
         # their next events go to the demoted primary first and must find the new one.
@@ -278,18 +284,20 @@ async def test_a_killed_workers_chat_is_continued_by_another_on_the_cluster(
         async with ChatClient.from_url(cluster.url, queue=QUEUE) as client:
             job = await client.submit("Hand me over", seed=FULL_LENGTH_SEEDS[1], **LONG)
             stream = job.stream()
-            seen = [await anext(stream)]
-            runner = next(w for w in workers if _ran(w, job.job_id))
-            # Its engine stopped mid-answer, so the chat is provably unfinished when the
-            # worker dies, however fast this machine is.
-            for process in engine_of(runner):
+            await asyncio.to_thread(_first_event_stored, cluster, [job.job_id])
+            # Both engines stopped at once, so the chat is provably unfinished when its worker
+            # dies, however fast this machine is; then the worker that ran it is found.
+            engines = [engine_of(worker) for worker in workers]
+            for process in itertools.chain(*engines):
                 process.suspend()
-            await asyncio.sleep(0.2)
+            runner = _runner(workers, job.job_id)
+            survivor = second if runner is cluster_worker else cluster_worker
             runner.process.kill()
+            for process in engines[workers.index(survivor)]:
+                process.resume()
             async with asyncio.timeout(CHAT_TIMEOUT_S):
-                seen += [event async for event in stream]
+                seen = [event async for event in stream]
         runner.stop(signal.SIGKILL)  # reap it, and its engine
-        survivor = second if runner is cluster_worker else cluster_worker
         assert_intact(seen, job.job_id)
         done = seen[-1]
         assert isinstance(done, DoneEvent) and done.continued == 1, done
@@ -299,6 +307,16 @@ async def test_a_killed_workers_chat_is_continued_by_another_on_the_cluster(
         )
     finally:
         second.stop()
+
+
+def _runner(workers: list[WorkerProcess], job_id: str) -> WorkerProcess:
+    """The worker that started the job (its job_started line may still be on its way to the
+    log file)."""
+    deadline = time.monotonic() + CHAT_TIMEOUT_S
+    while not (found := [worker for worker in workers if _ran(worker, job_id)]):
+        assert time.monotonic() < deadline, f"no worker logged the start of {job_id}"
+        time.sleep(0.05)
+    return found[0]
 
 
 def _ran(worker: WorkerProcess, job_id: str) -> bool:
