@@ -136,12 +136,16 @@ async def test_chats_cancel_leases_and_replay_on_a_cluster(
         ]
         cancelled = await client.submit("Cancel me", seed=FULL_LENGTH_SEEDS[0], **LONG)
         stream = cancelled.stream()
-        first = await anext(stream)
-        assert isinstance(first, DeltaEvent)
-        # A running job holds a lease in the queue's slot, on the slot's primary.
-        with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
-            assert owner.zscore(leases_key(QUEUE), cancelled.job_id) is not None
-        assert await client.cancel(cancelled.job_id)
+        await asyncio.to_thread(_first_event_stored, cluster, [cancelled.job_id])
+        # Frozen once it streams, so it is still running at the cancel however loaded the
+        # machine (a CI run's client saw the first event after the answer had ended).
+        with frozen(cluster_worker):
+            first = await anext(stream)
+            assert isinstance(first, DeltaEvent)
+            # A running job holds a lease in the queue's slot, on the slot's primary.
+            with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
+                assert owner.zscore(leases_key(QUEUE), cancelled.job_id) is not None
+            assert await client.cancel(cancelled.job_id)
         rest = [event async for event in stream]
         assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
         assert_intact([first, *rest], cancelled.job_id)
