@@ -314,8 +314,7 @@ async def test_a_killed_workers_chat_is_continued_by_another_on_the_cluster(
 
 
 def _runner(workers: list[WorkerProcess], job_id: str) -> WorkerProcess:
-    """The worker that started the job (its job_started line may still be on its way to the
-    log file)."""
+    """The worker that started the job, from the job_started lines of their logs."""
     deadline = time.monotonic() + CHAT_TIMEOUT_S
     while not (found := [worker for worker in workers if _ran(worker, job_id)]):
         assert time.monotonic() < deadline, f"no worker logged the start of {job_id}"
