@@ -62,14 +62,21 @@ def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
     return [psutil.Process(pid) for pid in engine_pids(worker.process.pid)]
 
 
-@contextmanager
-def frozen(worker: WorkerProcess) -> Iterator[None]:
-    """The worker's engine suspended for the block: chats sent before or during it stay
-    running however fast this machine is, while the worker itself still claims, starts and
-    publishes what it has."""
+def suspend_engine(worker: WorkerProcess) -> list[psutil.Process]:
+    """Suspend the worker's engine processes: its chats stay running however fast this
+    machine is, while the worker itself still claims, starts and publishes what it has.
+    Returns them, to resume."""
     engine = engine_of(worker)
     for process in engine:
         process.suspend()
+    return engine
+
+
+@contextmanager
+def frozen(worker: WorkerProcess) -> Iterator[None]:
+    """The worker's engine suspended for the block (``suspend_engine``): chats sent before or
+    during it stay running."""
+    engine = suspend_engine(worker)
     try:
         yield
     finally:

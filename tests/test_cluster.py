@@ -9,7 +9,6 @@ and no event, and two queues can live on two different primaries.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import signal
@@ -35,8 +34,8 @@ from helpers import (
     LocalCluster,
     assert_intact,
     engine_env,
-    engine_of,
     frozen,
+    suspend_engine,
 )
 
 QUEUE = "{edgeq:cluster}"
@@ -291,9 +290,7 @@ async def test_a_killed_workers_chat_is_continued_by_another_on_the_cluster(
             await asyncio.to_thread(_first_event_stored, cluster, [job.job_id])
             # Both engines stopped at once, so the chat is provably unfinished when its worker
             # dies, however fast this machine is; then the worker that ran it is found.
-            engines = [engine_of(worker) for worker in workers]
-            for process in itertools.chain(*engines):
-                process.suspend()
+            engines = [suspend_engine(worker) for worker in workers]
             runner = _runner(workers, job.job_id)
             survivor = second if runner is cluster_worker else cluster_worker
             runner.process.kill()

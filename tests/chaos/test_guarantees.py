@@ -27,7 +27,7 @@ from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
 from edgeq.worker.engine_processes import engine_pids, identify, wait_until_gone
-from helpers import FIGURES, arq_job_bytes, engine_env, engine_of, run_raw_job
+from helpers import FIGURES, arq_job_bytes, engine_env, engine_of, run_raw_job, suspend_engine
 
 pytestmark = pytest.mark.engine
 
@@ -206,23 +206,16 @@ async def unfinished(redis: Redis, job_ids: set[str]) -> set[str]:
     return {job_id for job_id in job_ids if await finished_with(redis, job_id) is None}
 
 
-def freeze(worker: WorkerProcess) -> None:
-    """Suspend the worker's engine processes: its chats stay running, however fast this
-    machine is, and the worker itself still claims and starts new ones."""
-    for process in engine_of(worker):
-        process.suspend()
-
-
 async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[str]) -> set[str]:
-    """``freeze`` the worker's engine, so its chats are provably still running when it is
+    """Suspend the worker's engine, so its chats are provably still running when it is
     killed; returns those of ``job_ids`` not ended by then."""
-    freeze(worker)
+    suspend_engine(worker)
     await asyncio.sleep(0.2)  # whatever the worker was sending lands
     return await unfinished(redis, job_ids)
 
 
 def thaw(worker: WorkerProcess) -> None:
-    """Resume the engine processes ``freeze_mid_stream`` suspended."""
+    """Resume the engine processes ``suspend_engine`` suspended."""
     for process in engine_of(worker):
         process.resume()
 
@@ -333,7 +326,7 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         # takes ~30 s to load: longer than a systemd restart delay) continues them. Its engine
         # is frozen before they are sent: on a fast machine three chats of LONG tokens ended
         # before a freeze after their start could catch them.
-        freeze(survivor)
+        suspend_engine(survivor)
         later = [
             await chaos_client.submit(f"alone {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             for i in range(3)
@@ -374,8 +367,7 @@ async def test_a_chat_that_kills_every_worker_ends_worker_lost_after_the_limit(
             # model (300 tokens in 0.44 s on a fast day): on CI three chats in a row had ended
             # before the freeze.
             for worker in workers:
-                for process in engine_of(worker):
-                    process.suspend()
+                suspend_engine(worker)
             job = await client.submit("poison", max_tokens=LONG, seed=FULL_LENGTH_SEED)
             events: list[StreamEvent] = []
             reader = asyncio.create_task(follow(job.stream(), events))
