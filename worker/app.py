@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import socket
@@ -208,6 +209,21 @@ async def keep_alive(state: WorkerState) -> None:
         await asyncio.sleep(max(0.0, period_s - (time.monotonic() - began)))
 
 
+def freeze_startup_heap() -> int:
+    """Put what start-up built out of the garbage collector's sight; how many objects that is.
+
+    Importing vLLM and torch and building the engine leaves ~700k objects the collector
+    tracks, and they live as long as the worker. A full collection walks them all: ~340 ms on
+    an idle CPU box, twice that beside a busy engine, with the event loop stopped, so every
+    running chat's stream stalls (docs/benchmarks.md, "Garbage collection"). Serving turns
+    enough objects over to start one now and then, mid-burst. Frozen, they are skipped
+    and a full collection scans only what serving made. vLLM's own server and engine core
+    do the same after their start-up."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngine.start) -> None:
     """arq's on_startup: build and warm the engine before the first job is picked."""
     state = worker_state(ctx)
@@ -219,6 +235,7 @@ async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngi
     built = time.monotonic()
     if settings.warmup:
         await engine.warm_up()
+    frozen_objects = freeze_startup_heap()
     state.engine = engine
     state.device = engine.device
     state.background.append(asyncio.create_task(keep_alive(state)))
@@ -233,6 +250,7 @@ async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngi
         metrics_port=settings.metrics_port or None,
         engine_build_s=round(built - began, 2),
         warmup_s=round(time.monotonic() - built, 3),
+        gc_frozen_objects=frozen_objects,
         since_process_start_s=round(time.monotonic() - state.process_started, 2),
     )
     notify(f"READY=1\nSTATUS=warm, serving {settings.queue} with {settings.model}")
