@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
+from structlog.testing import capture_logs
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog, read_events
@@ -198,12 +199,17 @@ async def test_text_made_while_redis_is_away_lands_in_order_when_it_is_back(
     )
     await publisher.publish_text("A")
     server.stop()
-    for piece in ("B", "C", "D"):  # generation goes on: nothing raises
-        clock.now += 0.5
-        await publisher.publish_text(piece)
-    assert publisher.redis_away_s > 0
-    server.start()  # same port, its data gone: the publisher sends everything again
-    done = await publisher.publish_done(done_event("p-away", completion_tokens=4))
+    with capture_logs() as logs:
+        for piece in ("B", "C", "D"):  # generation goes on: nothing raises
+            clock.now += 0.5
+            await publisher.publish_text(piece)
+        assert publisher.redis_away_s > 0
+        server.start()  # same port, its data gone: the publisher sends everything again
+        done = await publisher.publish_done(done_event("p-away", completion_tokens=4))
+    # The operator sees the outage once per job, with its cause, and its end.
+    held, sent = logs
+    assert held["event"] == "stream_events_held" and "ConnectionError" in held["reason"]
+    assert sent["event"] == "stream_events_sent" and sent["held_s"] == 1.0
     events = await read_events(redis, "p-away")
     assert "".join(e.text for e in events[:-1]) == "ABCD"
     assert [e.seq for e in events] == list(range(len(events))) and done.seq == events[-1].seq

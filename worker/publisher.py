@@ -17,12 +17,16 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import structlog
+
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, EventLog, EventsLost, Published
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent
 
 __all__ = ["RedisAway", "StreamClosed", "StreamPublisher"]
+
+log = structlog.get_logger("edgeq.publisher")
 
 #: While Redis is away, how often the events waiting here are offered again.
 RETRY_INTERVAL_S = 0.25
@@ -122,7 +126,14 @@ class StreamPublisher:
                 continue
             except REDIS_ERRORS as error:
                 now = self._clock()
-                self._away_since = now if self._away_since is None else self._away_since
+                if self._away_since is None:
+                    self._away_since = now
+                    log.warning(
+                        "stream_events_held",
+                        reason=f"{type(error).__name__}: {error}",
+                        held=len(self._unconfirmed),
+                        retry_every_s=RETRY_INTERVAL_S,
+                    )
                 if now - self._away_since > self._outage_limit_s:
                     raise RedisAway(
                         f"Redis refused this job's events for {now - self._away_since:.1f} s "
@@ -133,7 +144,9 @@ class StreamPublisher:
                     return []
                 await asyncio.sleep(RETRY_INTERVAL_S)
                 continue
-            self._away_since = None
+            if self._away_since is not None:
+                log.info("stream_events_sent", held_s=round(self.redis_away_s, 3))
+                self._away_since = None
             self._stored += self._unconfirmed
             self._unconfirmed = []
             self._heard(published)
