@@ -7,10 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,74 @@ def frozen(worker: WorkerProcess) -> Iterator[None]:
     finally:
         for process in engine:
             process.resume()
+
+
+class SlowedEngines:
+    """The engines of some workers run for ``run_s`` of every ``run_s + pause_s`` (suspended
+    the rest), so their chats last ~10x longer while the workers, Redis and the test run at
+    full speed.
+
+    For tests that act on a chat while it is still running. Freezing on its first event is
+    not enough under a loaded suite: a probe of a full run measured the workers' Redis round
+    trips at 0.3-0.7 s, once 2.7 s, while a whole 300-token answer takes ~0.6 s; the engine
+    goes on meanwhile, so a chat could end before anyone saw its first event."""
+
+    def __init__(self, workers: Sequence[WorkerProcess], *, run_s: float, pause_s: float) -> None:
+        self._engine = [process for worker in workers for process in engine_of(worker)]
+        self._run_s, self._pause_s = run_s, pause_s
+        self._lock = threading.Lock()  # held by the cycle's steps and by ``held``
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._cycle, name="slowed-engines", daemon=True)
+
+    def start(self) -> SlowedEngines:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the cycle and leave the engines running."""
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            self._set(suspended=False)
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """The engines suspended for the block, whatever the cycle was at (it waits)."""
+        with self._lock:
+            self._set(suspended=True)
+            try:
+                yield
+            finally:
+                self._set(suspended=False)
+
+    def _cycle(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self._set(suspended=True)
+            self._stop.wait(self._pause_s)
+            with self._lock:
+                self._set(suspended=False)
+            self._stop.wait(self._run_s)
+
+    def _set(self, *, suspended: bool) -> None:
+        for process in self._engine:
+            with suppress(psutil.NoSuchProcess):  # its worker was killed
+                if suspended:
+                    process.suspend()
+                else:
+                    process.resume()
+
+
+@contextmanager
+def slowed(
+    *workers: WorkerProcess, run_s: float = 0.02, pause_s: float = 0.18
+) -> Iterator[SlowedEngines]:
+    """The workers' engines slowed ten-fold for the block (``SlowedEngines``)."""
+    engines = SlowedEngines(workers, run_s=run_s, pause_s=pause_s).start()
+    try:
+        yield engines
+    finally:
+        engines.stop()
 
 
 @contextmanager

@@ -35,7 +35,7 @@ from helpers import (
     assert_intact,
     engine_env,
     frozen,
-    suspend_engine,
+    slowed,
 )
 
 QUEUE = "{edgeq:cluster}"
@@ -133,18 +133,19 @@ async def test_chats_cancel_leases_and_replay_on_a_cluster(
             await client.submit(f"Chat {n}", seed=seed, **LONG)
             for n, seed in enumerate(FULL_LENGTH_SEEDS)
         ]
-        cancelled = await client.submit("Cancel me", seed=FULL_LENGTH_SEEDS[0], **LONG)
-        stream = cancelled.stream()
-        await asyncio.to_thread(_first_event_stored, cluster, [cancelled.job_id])
-        # Frozen once it streams, so it is still running at the cancel however loaded the
-        # machine (a CI run's client saw the first event after the answer had ended).
-        with frozen(cluster_worker):
-            first = await anext(stream)
-            assert isinstance(first, DeltaEvent)
-            # A running job holds a lease in the queue's slot, on the slot's primary.
-            with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
-                assert owner.zscore(leases_key(QUEUE), cancelled.job_id) is not None
-            assert await client.cancel(cancelled.job_id)
+        # Slowed, then held once it streams, so it is still running at the cancel however
+        # loaded the machine (CI runs saw answers end before their first event was stored).
+        with slowed(cluster_worker) as engine:
+            cancelled = await client.submit("Cancel me", seed=FULL_LENGTH_SEEDS[0], **LONG)
+            stream = cancelled.stream()
+            await asyncio.to_thread(_first_event_stored, cluster, [cancelled.job_id])
+            with engine.held():
+                first = await anext(stream)
+                assert isinstance(first, DeltaEvent)
+                # A running job holds a lease in the queue's slot, on the slot's primary.
+                with cluster.node(cluster.owner(queue_slot(QUEUE))) as owner:
+                    assert owner.zscore(leases_key(QUEUE), cancelled.job_id) is not None
+                assert await client.cancel(cancelled.job_id)
         rest = [event async for event in stream]
         assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
         assert_intact([first, *rest], cancelled.job_id)
@@ -235,18 +236,19 @@ async def test_a_failover_during_streaming_loses_no_job_and_no_event(
 ) -> None:
     slot = queue_slot(QUEUE)
     async with ChatClient.from_url(cluster.url, queue=QUEUE) as client:
-        jobs = [
-            await client.submit(f"Failover {n}", seed=FULL_LENGTH_SEEDS[n % 3], **LONG)
-            for n in range(6)
-        ]
-        collected = [asyncio.create_task(_events(job)) for job in jobs]
-        await asyncio.to_thread(_first_event_stored, cluster, [job.job_id for job in jobs])
-        # The engine frozen through the failover, so every chat is still running when it is
-        # done however fast this machine is (a CI run saw all six end during a 4 s failover):
+        # The engine slowed until the failover and held through it, so every chat is still
+        # running when it is done however loaded the machine (CI runs saw all six end first):
         # their next events go to the demoted primary first and must find the new one.
-        with frozen(cluster_worker):
-            old, new = await asyncio.to_thread(cluster.fail_over, slot)
-            ended_before_the_failover = sum(task.done() for task in collected)
+        with slowed(cluster_worker) as engine:
+            jobs = [
+                await client.submit(f"Failover {n}", seed=FULL_LENGTH_SEEDS[n % 3], **LONG)
+                for n in range(6)
+            ]
+            collected = [asyncio.create_task(_events(job)) for job in jobs]
+            await asyncio.to_thread(_first_event_stored, cluster, [job.job_id for job in jobs])
+            with engine.held():
+                old, new = await asyncio.to_thread(cluster.fail_over, slot)
+                ended_before_the_failover = sum(task.done() for task in collected)
         streams = await asyncio.gather(*collected)
     assert cluster.owner(slot) == new != old
     assert ended_before_the_failover < len(jobs)  # some chats streamed through it
@@ -285,17 +287,16 @@ async def test_a_killed_workers_chat_is_continued_by_another_on_the_cluster(
         second.wait_ready()
         workers = [cluster_worker, second]
         async with ChatClient.from_url(cluster.url, queue=QUEUE) as client:
-            job = await client.submit("Hand me over", seed=FULL_LENGTH_SEEDS[1], **LONG)
-            stream = job.stream()
-            await asyncio.to_thread(_first_event_stored, cluster, [job.job_id])
-            # Both engines stopped at once, so the chat is provably unfinished when its worker
-            # dies, however fast this machine is; then the worker that ran it is found.
-            engines = [suspend_engine(worker) for worker in workers]
-            runner = _runner(workers, job.job_id)
-            survivor = second if runner is cluster_worker else cluster_worker
-            runner.process.kill()
-            for process in engines[workers.index(survivor)]:
-                process.resume()
+            # Both engines slowed, then held at once, so the chat is provably unfinished when
+            # its worker dies however loaded the machine; then the worker that ran it is found.
+            with slowed(*workers) as engines:
+                job = await client.submit("Hand me over", seed=FULL_LENGTH_SEEDS[1], **LONG)
+                stream = job.stream()
+                await asyncio.to_thread(_first_event_stored, cluster, [job.job_id])
+                with engines.held():
+                    runner = _runner(workers, job.job_id)
+                    survivor = second if runner is cluster_worker else cluster_worker
+                    runner.process.kill()
             async with asyncio.timeout(CHAT_TIMEOUT_S):
                 seen = [event async for event in stream]
         runner.stop(signal.SIGKILL)  # reap it, and its engine

@@ -27,7 +27,15 @@ from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
 from edgeq.worker.engine_processes import engine_pids, identify, wait_until_gone
-from helpers import FIGURES, arq_job_bytes, engine_env, engine_of, run_raw_job, suspend_engine
+from helpers import (
+    FIGURES,
+    arq_job_bytes,
+    engine_env,
+    engine_of,
+    run_raw_job,
+    slowed,
+    suspend_engine,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -268,11 +276,14 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
     workers = start_workers(tiny_model, url, tmp_path, "first", "second", **lease)
     replacement: WorkerProcess | None = None
     try:
-        jobs = [
-            await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-            for i in range(20)
-        ]
-        owners = await all_started(workers, {job.job_id for job in jobs})
+        # Slowed until every chat has started (helpers.slowed): on a loaded machine a CI run's
+        # chats all ended before the last one was seen starting.
+        with slowed(*workers):
+            jobs = [
+                await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+                for i in range(20)
+            ]
+            owners = await all_started(workers, {job.job_id for job in jobs})
         # Both engines frozen at once: nothing finishes while the victim is chosen, the one
         # with the most chats still running; the other one goes on.
         running = [
