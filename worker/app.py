@@ -212,13 +212,12 @@ async def keep_alive(state: WorkerState) -> None:
 def freeze_startup_heap() -> int:
     """Put what start-up built out of the garbage collector's sight; how many objects that is.
 
-    Importing vLLM and torch and building the engine leaves ~700k objects the collector
-    tracks, and they live as long as the worker. A full collection walks them all: ~340 ms on
-    an idle CPU box, twice that beside a busy engine, with the event loop stopped, so every
-    running chat's stream stalls (docs/benchmarks.md, "Garbage collection"). Serving turns
-    enough objects over to start one now and then, mid-burst. Frozen, they are skipped
-    and a full collection scans only what serving made. vLLM's own server and engine core
-    do the same after their start-up."""
+    Importing vLLM and torch and building the engine leaves ~680k objects the collector
+    tracks, and they live as long as the worker. A full collection, which Python starts on
+    its own once enough objects have outlived two younger ones, walks them all: ~0.3 s on
+    these CPU boxes with the event loop, and so every running stream, stopped. Frozen, they
+    are skipped: one then takes ~0.1 ms (docs/benchmarks.md, "One full garbage collection in a
+    warm worker"). vLLM's own server and engine core do the same after their start-up."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
