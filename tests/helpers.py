@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -85,68 +84,87 @@ def frozen(worker: WorkerProcess) -> Iterator[None]:
             process.resume()
 
 
+#: Where the tests' engine throttles live (cgroup v1's cpu controller, as on the CI machines).
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+CFS_PERIOD_US = 100_000
+CGROUP_EMPTY_TIMEOUT_S = 30
+
+
 class SlowedEngines:
-    """The engines of some workers run for ``run_s`` of every ``run_s + pause_s`` (suspended
-    the rest), so their chats last ~10x longer while the workers, Redis and the test run at
-    full speed.
+    """The engines of some workers held by the kernel to a share of one CPU each (a cgroup of
+    their own with a CFS quota), so their chats last many times longer while the workers,
+    Redis and the test run at full speed: at 15 % a 300-token answer took 11 s instead of
+    0.65 s here (its engine's idle polling takes its share too).
 
     For tests that act on a chat while it is still running. Freezing on its first event is
     not enough under a loaded suite: a probe of a full run measured the workers' Redis round
     trips at 0.3-0.7 s, once 2.7 s, while a whole 300-token answer takes ~0.6 s; the engine
-    goes on meanwhile, so a chat could end before anyone saw its first event."""
+    goes on meanwhile, so a chat could end before anyone saw its first event. Suspending and
+    resuming the engine from a thread of the test does not hold either: the test process
+    starves too, and the engine ran free while it did (a CI run)."""
 
-    def __init__(self, workers: Sequence[WorkerProcess], *, run_s: float, pause_s: float) -> None:
-        self._engine = [process for worker in workers for process in engine_of(worker)]
-        self._run_s, self._pause_s = run_s, pause_s
-        self._lock = threading.Lock()  # held by the cycle's steps and by ``held``
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._cycle, name="slowed-engines", daemon=True)
+    def __init__(self, workers: Sequence[WorkerProcess], *, cpu_share: float) -> None:
+        self._engines = [engine_of(worker) for worker in workers]
+        self._quota_us = max(1000, int(cpu_share * CFS_PERIOD_US))
+        self._groups: list[Path] = []
+        self._came_from: dict[int, Path] = {}
 
     def start(self) -> SlowedEngines:
-        self._thread.start()
+        for engine in self._engines:  # a quota per engine: one busy engine cannot take another's
+            group = CPU_CGROUPS / f"edgeq-test-slowed-{uuid.uuid4().hex[:8]}"
+            group.mkdir()
+            self._groups.append(group)
+            (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(self._quota_us))
+            for process in engine:
+                self._came_from[process.pid] = _cpu_cgroup_of(process.pid)
+                (group / "cgroup.procs").write_text(str(process.pid))
         return self
 
     def stop(self) -> None:
-        """End the cycle and leave the engines running."""
-        self._stop.set()
-        self._thread.join()
-        with self._lock:
-            self._set(suspended=False)
+        """Give the engines back their own cgroups (and all the CPU they can get)."""
+        for group in self._groups:
+            deadline = time.monotonic() + CGROUP_EMPTY_TIMEOUT_S
+            while True:
+                # What is still in it: the engines, or a killed worker's, still exiting.
+                for pid in map(int, (group / "cgroup.procs").read_text().split()):
+                    home = self._came_from.get(pid, CPU_CGROUPS)
+                    with suppress(ProcessLookupError):  # gone meanwhile
+                        (home / "cgroup.procs").write_text(str(pid))
+                try:
+                    group.rmdir()
+                    break
+                except OSError:  # a process was exiting in it: it leaves when it is gone
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """The engines suspended for the block, whatever the cycle was at (it waits)."""
-        with self._lock:
-            self._set(suspended=True)
-            try:
-                yield
-            finally:
-                self._set(suspended=False)
-
-    def _cycle(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                self._set(suspended=True)
-            self._stop.wait(self._pause_s)
-            with self._lock:
-                self._set(suspended=False)
-            self._stop.wait(self._run_s)
-
-    def _set(self, *, suspended: bool) -> None:
-        for process in self._engine:
-            with suppress(psutil.NoSuchProcess):  # its worker was killed
-                if suspended:
-                    process.suspend()
-                else:
+        """The engines suspended for the block."""
+        engine = [process for each in self._engines for process in each if process.is_running()]
+        for process in engine:
+            process.suspend()
+        try:
+            yield
+        finally:
+            for process in engine:
+                with suppress(psutil.NoSuchProcess):  # its worker was killed
                     process.resume()
 
 
+def _cpu_cgroup_of(pid: int) -> Path:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            return CPU_CGROUPS / path.lstrip("/")
+    raise RuntimeError(f"process {pid} is in no cpu cgroup")
+
+
 @contextmanager
-def slowed(
-    *workers: WorkerProcess, run_s: float = 0.02, pause_s: float = 0.18
-) -> Iterator[SlowedEngines]:
-    """The workers' engines slowed ten-fold for the block (``SlowedEngines``)."""
-    engines = SlowedEngines(workers, run_s=run_s, pause_s=pause_s).start()
+def slowed(*workers: WorkerProcess, cpu_share: float = 0.15) -> Iterator[SlowedEngines]:
+    """The workers' engines held to ``cpu_share`` of one CPU for the block (``SlowedEngines``)."""
+    engines = SlowedEngines(workers, cpu_share=cpu_share).start()
     try:
         yield engines
     finally:

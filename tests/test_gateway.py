@@ -308,9 +308,9 @@ async def test_an_unknown_model_is_a_404_and_models_lists_the_served_one(
 async def test_a_streaming_client_that_disconnects_cancels_its_job(
     sdk: openai.AsyncOpenAI, client: ChatClient, worker: WorkerProcess
 ) -> None:
-    """With the real worker, its engine slowed ten-fold (``helpers.slowed``): the answer is
-    still running when the first chunk is in however loaded the machine (CI runs' first
-    chunks came after whole 300-token answers had ended), and held still over the disconnect."""
+    """With the real worker, its engine slowed (``helpers.slowed``): the answer is still
+    running when the first chunk is in however loaded the machine (CI runs' first chunks came
+    after whole 300-token answers had ended), and held still over the disconnect."""
     with slowed(worker) as engine:
         raw = await sdk.chat.completions.with_raw_response.create(
             model=worker.env["EDGEQ_MODEL"],
