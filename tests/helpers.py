@@ -164,11 +164,11 @@ def _cpu_cgroup_of(pid: int) -> Path:
 @contextmanager
 def slowed(*workers: WorkerProcess, cpu_share: float = 0.15) -> Iterator[SlowedEngines]:
     """The workers' engines held to ``cpu_share`` of one CPU for the block (``SlowedEngines``)."""
-    engines = SlowedEngines(workers, cpu_share=cpu_share).start()
+    engines = SlowedEngines(workers, cpu_share=cpu_share)
     try:
-        yield engines
+        yield engines.start()
     finally:
-        engines.stop()
+        engines.stop()  # also after a start that failed half-way: no engine stays throttled
 
 
 @contextmanager
