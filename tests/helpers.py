@@ -10,7 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,15 +73,22 @@ def suspend_engine(worker: WorkerProcess) -> list[psutil.Process]:
 
 
 @contextmanager
-def frozen(worker: WorkerProcess) -> Iterator[None]:
-    """The worker's engine suspended for the block (``suspend_engine``): chats sent before or
-    during it stay running."""
-    engine = suspend_engine(worker)
+def suspended(processes: Sequence[psutil.Process]) -> Iterator[None]:
+    """The processes suspended for the block, resumed after it (those still there)."""
+    for process in processes:
+        process.suspend()
     try:
         yield
     finally:
-        for process in engine:
-            process.resume()
+        for process in processes:
+            with suppress(psutil.NoSuchProcess):  # its worker was killed meanwhile
+                process.resume()
+
+
+def frozen(worker: WorkerProcess) -> AbstractContextManager[None]:
+    """The worker's engine suspended for the block (as ``suspend_engine``): chats sent before
+    or during it stay running."""
+    return suspended(engine_of(worker))
 
 
 #: Where the tests' engine throttles live (cgroup v1's cpu controller, as on the CI machines).
@@ -97,8 +104,8 @@ class SlowedEngines:
     0.65 s here (its engine's idle polling takes its share too).
 
     For tests that act on a chat while it is still running. Freezing on its first event is
-    not enough under a loaded suite: a probe of a full run measured the workers' Redis round
-    trips at 0.3-0.7 s, once 2.7 s, while a whole 300-token answer takes ~0.6 s; the engine
+    not enough under a loaded suite: probes of full runs measured the workers' Redis round
+    trips at up to 0.7-0.94 s, while a whole 300-token answer takes ~0.6 s; the engine
     goes on meanwhile, so a chat could end before anyone saw its first event. Suspending and
     resuming the engine from a thread of the test does not hold either: the test process
     starves too, and the engine ran free while it did (a CI run)."""
@@ -139,18 +146,9 @@ class SlowedEngines:
                         raise
                     time.sleep(0.1)
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
+    def held(self) -> AbstractContextManager[None]:
         """The engines suspended for the block."""
-        engine = [process for each in self._engines for process in each if process.is_running()]
-        for process in engine:
-            process.suspend()
-        try:
-            yield
-        finally:
-            for process in engine:
-                with suppress(psutil.NoSuchProcess):  # its worker was killed
-                    process.resume()
+        return suspended([p for engine in self._engines for p in engine if p.is_running()])
 
 
 def _cpu_cgroup_of(pid: int) -> Path:
