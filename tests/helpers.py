@@ -57,9 +57,11 @@ def engine_env(model: Path, redis_url: str, queue: str) -> dict[str, str]:
     }
 
 
-def engine_of(worker: WorkerProcess) -> list[psutil.Process]:
-    """vLLM's processes of the worker (not multiprocessing's resource tracker)."""
-    return [psutil.Process(pid) for pid in engine_pids(worker.process.pid)]
+def engine_of(worker: WorkerProcess | subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """vLLM's processes of the worker (not multiprocessing's resource tracker); ``worker`` may
+    also be the bare process of an installed worker."""
+    process = worker if isinstance(worker, subprocess.Popen) else worker.process
+    return [psutil.Process(pid) for pid in engine_pids(process.pid)]
 
 
 def suspend_engine(worker: WorkerProcess) -> list[psutil.Process]:
@@ -110,7 +112,9 @@ class SlowedEngines:
     resuming the engine from a thread of the test does not hold either: the test process
     starves too, and the engine ran free while it did (a CI run)."""
 
-    def __init__(self, workers: Sequence[WorkerProcess], *, cpu_share: float) -> None:
+    def __init__(
+        self, workers: Sequence[WorkerProcess | subprocess.Popen[bytes]], *, cpu_share: float
+    ) -> None:
         self._engines = [engine_of(worker) for worker in workers]
         self._quota_us = max(1000, int(cpu_share * CFS_PERIOD_US))
         self._groups: list[Path] = []
@@ -160,7 +164,9 @@ def _cpu_cgroup_of(pid: int) -> Path:
 
 
 @contextmanager
-def slowed(*workers: WorkerProcess, cpu_share: float = 0.15) -> Iterator[SlowedEngines]:
+def slowed(
+    *workers: WorkerProcess | subprocess.Popen[bytes], cpu_share: float = 0.15
+) -> Iterator[SlowedEngines]:
     """The workers' engines held to ``cpu_share`` of one CPU for the block (``SlowedEngines``)."""
     engines = SlowedEngines(workers, cpu_share=cpu_share)
     try:

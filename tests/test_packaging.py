@@ -42,7 +42,7 @@ from edgeq.deploy.bundle import CPU_EXCLUDED, patch_release_gaps
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import READY_EVENT, RedisServer, free_port
 from edgeq.testing.tiny_model import make_tiny_model
-from helpers import EDGEQ, FIGURES, TEST_MAX_MODEL_LEN, TEST_MAX_NUM_BATCHED_TOKENS
+from helpers import EDGEQ, FIGURES, TEST_MAX_MODEL_LEN, TEST_MAX_NUM_BATCHED_TOKENS, slowed
 
 pytestmark = pytest.mark.engine
 
@@ -472,12 +472,15 @@ async def test_the_installed_worker_notifies_systemd_and_drains(
         gaps = [b - a for a, b in itertools.pairwise(pings)]
         assert max(gaps) < WATCHDOG_USEC / 1e6, gaps
 
-        # SIGTERM during a chat: STOPPING=1 first, the chat still finishes, a clean exit.
+        # SIGTERM during a chat: STOPPING=1 first, the chat still finishes, a clean exit. The
+        # engine slowed until STOPPING=1 (helpers.slowed): a CI run's chat had ended before it.
         async with ChatClient(redis_url=private_redis.url, queue=queue) as client:
-            job = await client.submit("a long one", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-            stream = job.stream()
-            assert isinstance(await anext(stream), DeltaEvent)
-            process.send_signal(signal.SIGTERM)
+            with slowed(process):
+                job = await client.submit("a long one", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+                stream = job.stream()
+                assert isinstance(await anext(stream), DeltaEvent)
+                process.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(notify.wait_for, "STOPPING=1", 60, process)
             events = [event async for event in stream]
             finished = time.monotonic()
         assert isinstance(events[-1], DoneEvent), events[-1]
