@@ -31,7 +31,8 @@ from edgeq.core.scheduling import FAIR_QUEUING_LUA, Priority, band_of
 # KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
 # queued-by-tenant, aging and tenancy keys (core/scheduling.py); ARGV: the payload, its TTL
 # (ms), the queue's limit, the job id, the wake channel, the band, the tenant. Returns
-# {Enqueued, the tenant's cap when it is TENANT_FULL}.
+# {Enqueued, the tenant's cap when it is TENANT_FULL}. Runs in a BatchedScript only (it wakes
+# the workers once per batch).
 _ENQUEUE = (
     FAIR_QUEUING_LUA
     + """
@@ -54,7 +55,11 @@ if band > 0 and aging_ms > 0 then
   local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
   redis.call('ZADD', KEYS[6], now_ms + aging_ms, ARGV[4])
 end
-redis.call('PUBLISH', ARGV[5], '')
+-- One wake per batch (core/batching.py) is enough: the claim it starts takes them all.
+if not batch[ARGV[5]] then
+  redis.call('PUBLISH', ARGV[5], '')
+  batch[ARGV[5]] = true
+end
 return {1}
 """
 )

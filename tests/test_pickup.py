@@ -16,7 +16,7 @@ from arq.worker import func
 from redis.asyncio import Redis
 
 from edgeq.core.connection import make_redis
-from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key
+from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key, wake_channel
 from edgeq.core.leases import redis_now_ms
 from edgeq.core.protocol import JOB_FUNCTION, dump_json, load_json
 from edgeq.core.settings import ConnectionSettings
@@ -219,3 +219,28 @@ async def test_a_job_that_ends_makes_the_worker_claim_the_next_at_once(
     assert not jobs.running["second"].is_set()
     jobs.released["first"].set()
     await jobs.started("second")
+
+
+@pytest.mark.parametrize("held_worker", [4], indirect=True)
+async def test_a_burst_of_enqueues_wakes_the_workers_once_and_every_job_of_it_starts(
+    held_worker: tuple[HeldJobs, JobQueue], redis_server: RedisServer, queue: str
+) -> None:
+    jobs, jobs_queue = held_worker
+    await submit(jobs_queue, "first")
+    await jobs.started("first")  # busy from here on: only a wake gets a job claimed
+    listener = Redis.from_url(redis_server.url)
+    wakes = listener.pubsub(ignore_subscribe_messages=True)
+    try:
+        await wakes.subscribe(wake_channel(queue))
+        await wakes.get_message(timeout=1)  # the confirmation, ignored
+        # One loop turn: the three enqueues are one script call (core/batching.py).
+        await asyncio.gather(*(submit(jobs_queue, name) for name in ("a", "b", "c")))
+        for name in ("a", "b", "c"):
+            await jobs.started(name)
+        heard = []
+        while (message := await wakes.get_message(timeout=0.3)) is not None:
+            heard.append(message)
+        assert len(heard) == 1, heard
+    finally:
+        await wakes.aclose()
+        await listener.aclose()

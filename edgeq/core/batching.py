@@ -37,8 +37,10 @@ def combined(source: str) -> str:
     """``source`` run once per call of a batch, over that call's KEYS and ARGV. ARGV begins
     with the calls' shapes: how many calls, then each one's key count and argument count. A
     call that raises replies with its error and the next call runs, as separate scripts
-    would; a call that returns nothing replies nil (false), so the replies keep their places."""
+    would; a call that returns nothing replies nil (false), so the replies keep their places.
+    ``source`` may keep what the calls of one batch share in the table ``batch``."""
     return f"""
+local batch = {{}}
 local function call(KEYS, ARGV)
 {source}
 end
