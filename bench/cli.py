@@ -16,6 +16,7 @@ from typing import Any
 from dotenv import dotenv_values
 from tqdm import tqdm
 
+from edgeq.bench.gpu_rate import GpuRate
 from edgeq.bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
 from edgeq.bench.records import ModeRun
 from edgeq.bench.report import build_report, format_table, plot_runs, write_json
@@ -80,20 +81,29 @@ def plan_modes(args: argparse.Namespace) -> list[ModePlan]:
     """The modes in the order they run: queue, compared workers, direct, OpenAI."""
     if args.start_worker and args.queue:
         raise UsageError("--queue uses a running worker, --start-worker starts one: pick one")
+    starts_engines = args.start_worker or args.direct or args.compare is not None
+    if args.simulate_gpu and not starts_engines:
+        raise UsageError(
+            "--simulate-gpu applies to what the bench starts: add --start-worker, --direct or "
+            "--compare (a running worker or server is simulated only if it was started so)"
+        )
+    gpu = GpuRate(step_ms=args.step_ms, prefill_ms=args.prefill_ms) if args.simulate_gpu else None
     taken: set[str] = set()
     plans: list[ModePlan] = []
     others = args.direct or bool(args.openai) or args.compare is not None
     if args.start_worker:
-        plans.append(ModePlan(_unique("queue", taken), ModeKind.QUEUE, worker_env={}))
+        plans.append(ModePlan(_unique("queue", taken), ModeKind.QUEUE, worker_env={}, gpu=gpu))
     elif args.queue or not others:
         plans.append(ModePlan(_unique("queue", taken), ModeKind.QUEUE))
     for env_file in args.compare or ():
         if not env_file.is_file():
             raise UsageError(f"--compare: {env_file} is not a file")
         values = {key: value for key, value in dotenv_values(env_file).items() if value is not None}
-        plans.append(ModePlan(_unique(env_file.stem, taken), ModeKind.QUEUE, worker_env=values))
+        plans.append(
+            ModePlan(_unique(env_file.stem, taken), ModeKind.QUEUE, worker_env=values, gpu=gpu)
+        )
     if args.direct:
-        plans.append(ModePlan(_unique("direct", taken), ModeKind.DIRECT))
+        plans.append(ModePlan(_unique("direct", taken), ModeKind.DIRECT, gpu=gpu))
     for url in args.openai or ():
         plans.append(ModePlan(_unique("openai", taken), ModeKind.OPENAI, url=url))
     return plans
@@ -209,10 +219,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
             rounds.append([])
             for plan in plans:
                 label = plan.name if args.rounds == 1 else f"{plan.name} (round {number})"
+                engine = "engine" if plan.gpu is None else plan.gpu.describe()
                 if plan.worker_env is not None:
-                    _say(f"{label}: starting a private Redis and a worker (engine start-up first)")
+                    _say(f"{label}: starting a private Redis and a worker (its {engine} first)")
                 elif plan.kind is ModeKind.DIRECT:
-                    _say(f"{label}: building the engine in this process")
+                    _say(f"{label}: building the {engine} in this process")
                 run = run_plan(
                     plan, workload, args.users, count_tokens=count_tokens,
                     progress=ProgressBar(label),
@@ -225,7 +236,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
 
     config = run_config(spec, args.users, slos_ms, model, workload.template_tokens)
-    config["modes"] = [{"name": p.name, "kind": p.kind.value, "url": p.url} for p in plans]
+    config["modes"] = [
+        {
+            "name": p.name,
+            "kind": p.kind.value,
+            "url": p.url,
+            "engine": p.gpu.describe() if p.gpu is not None else None,
+        }
+        for p in plans
+    ]
     config["rounds"] = args.rounds
     round_metrics = [collect_metrics(runs, slos_ms) for runs in rounds]
     for number, (runs, metrics) in enumerate(zip(rounds, round_metrics, strict=True), 1):

@@ -187,6 +187,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar=("A.env", "B.env"),
         help="queue mode on two workers started here, one per settings file",
     )
+    bench.add_argument(
+        "--simulate-gpu",
+        action="store_true",
+        help="the workers and the direct engine started here make tokens at a GPU's rate "
+        "instead of running the model (the queue's cost when the engine leaves the cores free)",
+    )
+    _gpu_rate_options(bench)
     bench.set_defaults(handler=run_bench_command)
 
     # tune sweeps the batch knobs with bench's workload, a worker per configuration, and

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edgeq.bench.cpu import cpu_s_by_role
+from edgeq.bench.gpu_rate import GpuRate
 from edgeq.bench.records import ModeRun, RequestRecord
 from edgeq.bench.targets import ChunkClock, DirectTarget, OpenAITarget, QueueTarget, Target
 from edgeq.bench.workload import BenchRequest, Workload
@@ -67,6 +68,9 @@ class ModePlan:
     worker_env: Mapping[str, str] | None = None
     #: OpenAI: the server's base URL.
     url: str | None = None
+    #: A worker or engine started here makes tokens at this rate instead of running the model
+    #: (edgeq.bench.simulate): what the queue costs when the engine leaves the cores free.
+    gpu: GpuRate | None = None
 
 
 def user_schedule(num_requests: int, users: int) -> list[list[int]]:
@@ -192,13 +196,20 @@ async def run_target(
 
 @contextmanager
 def local_worker(
-    env: Mapping[str, str], log_dir: Path
+    env: Mapping[str, str], log_dir: Path, gpu: GpuRate | None = None
 ) -> Iterator[tuple[WorkerProcess, RedisServer]]:
-    """A private redis-server and one ``edgeq worker`` with ``env``; both stopped on exit."""
+    """A private redis-server and one ``edgeq worker`` with ``env`` (``edgeq simulate-box`` at
+    ``gpu``'s rate if given); both stopped on exit."""
     redis = RedisServer().start()
     try:
         worker_env = {**env, "EDGEQ_REDIS_URL": redis.url, "EDGEQ_QUEUE": BENCH_QUEUE}
-        worker = WorkerProcess(worker_env, log_dir / "worker.log").start()
+        log_path = log_dir / "worker.log"
+        if gpu is None:
+            worker = WorkerProcess(worker_env, log_path).start()
+        else:
+            worker = WorkerProcess(
+                worker_env, log_path, command="simulate-box", args=gpu.box_args()
+            ).start()
         try:
             worker.wait_ready()
             yield worker, redis
@@ -228,7 +239,7 @@ def run_plan(
             # Every mode runs the workload's model, whose tokenizer sized the prompts; an env
             # file may name its own (same tokenizer assumed): its values win.
             env = {"EDGEQ_MODEL": workload.model, **plan.worker_env}
-            with local_worker(env, log_dir / plan.name) as (worker, redis):
+            with local_worker(env, log_dir / plan.name, plan.gpu) as (worker, redis):
                 settings = load_settings(
                     ConnectionSettings,
                     redis_url=worker.env["EDGEQ_REDIS_URL"],
@@ -242,9 +253,10 @@ def run_plan(
                 }
                 target = QueueTarget(settings, plan.name)
                 run = asyncio.run(run_target(target, workload, users, progress, lambda: pids))
+                simulated = f" on a {plan.gpu.describe()}" if plan.gpu is not None else ""
                 return dataclasses.replace(
                     run,
-                    target=f"{run.target} (worker log {worker.log_path})",
+                    target=f"{run.target}{simulated} (worker log {worker.log_path})",
                     worker={"settings": dict(env), "ready": worker.ready_event},
                 )
         if plan.kind is ModeKind.QUEUE:
@@ -255,7 +267,7 @@ def run_plan(
         if plan.kind is ModeKind.DIRECT:
             from edgeq.worker.settings import WorkerSettings
 
-            direct = DirectTarget(load_settings(WorkerSettings, model=workload.model))
+            direct = DirectTarget(load_settings(WorkerSettings, model=workload.model), plan.gpu)
             # Its engine's processes exist once the target is up: looked up then.
             return asyncio.run(
                 run_target(

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edgeq.bench.gpu_rate import GpuRate
 from edgeq.core.protocol import ChatMessage
 from edgeq.core.scheduling import Priority
 from edgeq.core.structured import Tool
@@ -32,18 +33,6 @@ from edgeq.worker.settings import WorkerSettings
 CHARS_PER_TOKEN = 4
 #: The context a simulated box accepts when EDGEQ_MAX_MODEL_LEN is not set (Qwen3-0.6B's).
 DEFAULT_MAX_MODEL_LEN = 40_960
-
-
-@dataclass(frozen=True)
-class GpuRate:
-    """How fast the simulated GPU makes tokens. The defaults plan Qwen3-0.6B on one modern
-    GPU with a full batch (not measured here: no GPU)."""
-
-    step_ms: float = 30.0  # one decode step for every running request
-    prefill_ms: float = 30.0  # request added → its first token
-
-    def describe(self) -> str:
-        return f"simulated GPU ({self.step_ms:g} ms/step, first token after {self.prefill_ms:g} ms)"
 
 
 class DecodeClock:

@@ -30,6 +30,7 @@ from edgeq.core.settings import ConnectionSettings, redacted_url
 from edgeq.producer.client import ChatClient
 
 if TYPE_CHECKING:
+    from edgeq.bench.gpu_rate import GpuRate
     from edgeq.worker.engine import ChatEngine
     from edgeq.worker.settings import WorkerSettings
 
@@ -172,19 +173,28 @@ class QueueTarget:
 
 
 class DirectTarget:
-    """One engine built in this process from worker settings, warmed up like the worker's."""
+    """One engine built in this process from worker settings, warmed up like the worker's;
+    with ``gpu``, the worker's stand-in engine at that rate instead (edgeq.bench.simulate)."""
 
     name = "direct"
 
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, gpu: GpuRate | None = None) -> None:
         self.settings = settings
+        self.gpu = gpu
         self._engine: ChatEngine | None = None
 
     @property
     def description(self) -> str:
+        if self.gpu is not None:
+            return f"in-process {self.gpu.describe()}"
         return f"in-process engine on {self.settings.model}"
 
     async def __aenter__(self) -> DirectTarget:
+        if self.gpu is not None:
+            from edgeq.bench.simulate import SimulatedEngine
+
+            self._engine = await SimulatedEngine.start(self.settings, gpu=self.gpu)
+            return self
         # vLLM reads these when it is first imported and when it spawns its engine process.
         with environment_defaults(VLLM_LOG_DEFAULTS):
             from edgeq.worker.engine import ChatEngine  # imports vLLM: only when this mode runs

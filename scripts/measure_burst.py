@@ -23,6 +23,10 @@ The worker's two figures are on the worker's clock from the job's enqueue time, 
 on the client's; both run on this machine. Prompts are 50-220 words, answers ``--max-tokens``
 (256; 1 isolates what starting a job costs).
 
+``--simulate-gpu`` runs ``edgeq simulate-box`` (the worker around a stand-in engine at a GPU's
+rate, edgeq.bench.simulate; ``--direct``: that engine in this process): what the queue costs
+when the engine leaves the cores free, as on a GPU box.
+
 ``--profile FILE`` samples the worker's process with py-spy (``pip install py-spy``) for the
 whole measurement and writes its collapsed stacks (one ``frame;frame;... count`` line each) to
 FILE; ``--top`` prints the functions the worker's main thread spent the most samples in.
@@ -45,6 +49,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from edgeq.bench.cpu import process_cpu_s
+from edgeq.bench.gpu_rate import GpuRate
 from edgeq.bench.targets import ChunkClock, DirectTarget
 from edgeq.bench.workload import BenchRequest
 from edgeq.core.protocol import ChatMessage, DeltaEvent, DoneEvent
@@ -119,10 +124,14 @@ async def measure_queue(
 
 
 async def measure_direct(
-    settings: WorkerSettings, sizes: list[int], rounds: int, max_tokens: int
+    settings: WorkerSettings,
+    sizes: list[int],
+    rounds: int,
+    max_tokens: int,
+    gpu: GpuRate | None,
 ) -> tuple[dict[int, list[tuple[float, ...]]], float]:
     """The stages, and this process's CPU seconds over them (the engine's warm-up excluded)."""
-    async with DirectTarget(settings) as engine:
+    async with DirectTarget(settings, gpu) as engine:
         before_s = process_cpu_s(os.getpid())
         p50s = await measure(
             lambda text, seed: one_direct_chat(engine, text, seed, max_tokens), sizes, rounds
@@ -145,11 +154,17 @@ def print_stages(
 
 def run_direct(args: argparse.Namespace, model: Path) -> int:
     settings = WorkerSettings(model=str(model), max_model_len=2048, cpu_kv_cache_gib=1)
-    p50s, cpu_s = asyncio.run(measure_direct(settings, args.sizes, args.rounds, args.max_tokens))
+    p50s, cpu_s = asyncio.run(
+        measure_direct(settings, args.sizes, args.rounds, args.max_tokens, simulated_gpu(args))
+    )
     print_stages(DIRECT_STAGES, p50s, args.rounds)
     chats = args.rounds * sum(args.sizes)
     print(f"\nCPU per chat (ms): this process (engine client) {cpu_s / chats * 1000:.2f}")
     return 0
+
+
+def simulated_gpu(args: argparse.Namespace) -> GpuRate | None:
+    return GpuRate() if args.simulate_gpu else None
 
 
 def main() -> int:
@@ -160,6 +175,7 @@ def main() -> int:
     parser.add_argument("--profile", type=Path, help="write py-spy's collapsed stacks here")
     parser.add_argument("--top", type=int, default=25, help="functions to print with --profile")
     parser.add_argument("--direct", action="store_true", help="an engine in this process")
+    parser.add_argument("--simulate-gpu", action="store_true", help="a stand-in engine (30 ms)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="edgeq-burst-"))
     model = make_tiny_model(scratch / "tiny-model").directory
@@ -167,7 +183,11 @@ def main() -> int:
         return run_direct(args, model)
     redis_server = RedisServer().start()
     env = tiny_model_env(model, redis_server.url, QUEUE) | {"EDGEQ_MAX_MODEL_LEN": "2048"}
-    worker = WorkerProcess(env, scratch / "worker.log").start()
+    gpu, log = simulated_gpu(args), scratch / "worker.log"
+    if gpu is None:
+        worker = WorkerProcess(env, log).start()
+    else:
+        worker = WorkerProcess(env, log, command="simulate-box", args=gpu.box_args()).start()
     sampler: subprocess.Popen[bytes] | None = None
     try:
         worker.wait_ready()

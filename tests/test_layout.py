@@ -105,6 +105,16 @@ def test_the_client_loads_no_engine_and_the_worker_loads_no_client() -> None:
     assert loaded == ""
 
 
+def test_the_bench_loads_the_engine_only_for_a_mode_that_runs_one() -> None:
+    # `edgeq bench` against a running worker, `edgeq capacity` and their subscriber processes
+    # (edgeq[bench] without an engine extra) import these and nothing of vLLM.
+    loaded = run_python(
+        "import sys, edgeq.bench.cli, edgeq.bench.capacity, edgeq.bench.runners\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in {'vllm', 'torch'})))"
+    )
+    assert loaded == ""
+
+
 def test_the_public_api_is_at_the_package_root() -> None:
     assert edgeq.__version__ == "0.1.0"
     assert sorted(edgeq.__all__) == sorted(["__version__", *edgeq._EXPORTS])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -157,3 +158,33 @@ def test_capacity_reports_redis_figures_for_a_simulated_box(tmp_path: Path) -> N
     assert row["events_per_s"] > 0 and row["redis_cpu_us_per_event"] > 0
     assert row["latency_p50_ms"] > 0 and row["errors"] == 0
     assert row["replay_bytes_per_event"] > 0
+
+
+def test_bench_on_a_simulated_gpu_runs_the_queue_and_direct_modes_at_its_rate(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    out, max_tokens = tmp_path / "report.json", 6
+    run = subprocess.run(
+        [
+            *EDGEQ,
+            "bench",
+            *("--start-worker", "--direct", "--simulate-gpu", "--step-ms", "5"),
+            *("--prefill-ms", "25", "--model", str(tiny_model), "--users", "4"),
+            *("--num-prompts", "8", "--max-tokens", str(max_tokens), "--out", str(out)),
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rate = "simulated GPU (5 ms/step, first token after 25 ms)"
+    assert [(mode["name"], mode["engine"]) for mode in report["config"]["modes"]] == [
+        ("queue", rate), ("direct", rate),
+    ]  # fmt: skip
+    for mode in report["modes"]:
+        assert mode["error"] is None and rate in mode["target"]
+        # No model ran: the stand-in makes every token asked for, the first after its prefill.
+        assert [r["output_tokens"] for r in mode["requests"]] == [max_tokens] * 8
+        assert all(r["ttft_s"] >= 0.025 for r in mode["requests"])

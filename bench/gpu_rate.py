@@ -1,0 +1,23 @@
+"""How fast a simulated GPU makes tokens (edgeq.bench.simulate), kept apart from the stand-in
+engine so that the commands that only name a rate (``edgeq bench``, ``edgeq capacity``) do not
+import the engine's code, and vLLM with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuRate:
+    """How fast the simulated GPU makes tokens. The defaults plan Qwen3-0.6B on one modern
+    GPU with a full batch (not measured here: no GPU)."""
+
+    step_ms: float = 30.0  # one decode step for every running request
+    prefill_ms: float = 30.0  # request added → its first token
+
+    def describe(self) -> str:
+        return f"simulated GPU ({self.step_ms:g} ms/step, first token after {self.prefill_ms:g} ms)"
+
+    def box_args(self) -> tuple[str, ...]:
+        """The ``edgeq simulate-box`` options for this rate."""
+        return ("--step-ms", f"{self.step_ms:g}", "--prefill-ms", f"{self.prefill_ms:g}")
