@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import subprocess
 import tempfile
@@ -153,6 +154,11 @@ async def run_users(
     if run.error is not None:
         return run
     schedule = user_schedule(len(workload.requests), users)
+    # Everything alive now (the tokenizer, vLLM's modules, a direct engine) outlives the run:
+    # frozen, no full collection walks it during the measurement. Unfrozen, this process's
+    # full collections took 100-680 ms (the client of every mode; docs/benchmarks.md).
+    gc.collect()
+    gc.freeze()
     if progress is not None:
         progress.start(len(workload.requests))
     pids = watched() if watched is not None else {}
@@ -170,6 +176,7 @@ async def run_users(
     try:
         await asyncio.gather(*(user_loop(user, indices) for user, indices in enumerate(schedule)))
     finally:
+        gc.unfreeze()  # the next mode's engine and records may be collected again
         if progress is not None:
             progress.close()
     run.duration_s = time.perf_counter() - run_start

@@ -3,6 +3,7 @@ process, pub/sub) and straight on an engine built in this process, both on the t
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -16,9 +17,15 @@ import pytest
 
 from edgeq.bench.metrics import calculate_metrics
 from edgeq.bench.records import ModeRun
-from edgeq.bench.runners import run_target
-from edgeq.bench.targets import DirectTarget, QueueTarget
-from edgeq.bench.workload import Workload, WorkloadSpec, build_workload, load_tokenizer
+from edgeq.bench.runners import run_target, run_users
+from edgeq.bench.targets import ChunkClock, DirectTarget, Outcome, QueueTarget
+from edgeq.bench.workload import (
+    BenchRequest,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    load_tokenizer,
+)
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.exit_codes import EXIT_INTERRUPTED
 from edgeq.testing.processes import WorkerProcess
@@ -249,3 +256,35 @@ async def test_failed_requests_are_counted_and_the_run_goes_on(
     assert metrics.total_input_tokens == sum(
         r.prompt_tokens for r in workload.requests if r.index not in too_long
     )
+
+
+class HeapProbe:
+    """A target that answers every request at once and notes how many objects the garbage
+    collector had frozen when it was called."""
+
+    name = "probe"
+    description = "in-process probe"
+
+    def __init__(self) -> None:
+        self.frozen: list[int] = []
+
+    async def send(
+        self, request: BenchRequest, fields: dict[str, Any], clock: ChunkClock
+    ) -> Outcome:
+        self.frozen.append(gc.get_freeze_count())
+        clock.chunk()
+        return Outcome(output_tokens=1, reported_prompt_tokens=request.prompt_tokens)
+
+
+async def test_what_lives_before_a_run_is_frozen_while_it_is_measured(tiny_model: Path) -> None:
+    # The bench's process holds the tokenizer (and in direct mode vLLM): a full collection of
+    # it in the middle of a mode paused every request of the round (docs/benchmarks.md).
+    workload = the_workload(tiny_model)
+    probe = HeapProbe()
+    run = await run_users(probe, workload, USERS)
+    assert run.error is None and len(run.records) == len(workload.requests)
+    warm_up, *measured = probe.frozen
+    assert warm_up == 0
+    assert len(measured) == len(workload.requests)
+    assert min(measured) > 10_000  # the tokenizer's and the libraries' objects
+    assert gc.get_freeze_count() == 0  # and collectable again once the mode is over
