@@ -36,7 +36,7 @@ from typing import Any
 import redis
 
 from edgeq.bench.cpu import process_cpu_s
-from edgeq.bench.gpu_rate import GpuRate
+from edgeq.bench.gpu_rate import GpuRate, worker_process
 from edgeq.core.keys import events_key
 from edgeq.core.protocol import DeltaEvent, ErrorEvent
 from edgeq.core.tasks import cancel_and_wait
@@ -235,10 +235,10 @@ def measure_configuration(
             "EDGEQ_DRAIN_TIMEOUT_S": "1",
             "EDGEQ_LOG_LEVEL": "warning",
         }
-        args = GpuRate(step_ms=plan.step_ms, prefill_ms=plan.prefill_ms).box_args()
+        gpu = GpuRate(step_ms=plan.step_ms, prefill_ms=plan.prefill_ms)
         for n in range(boxes):
             log = scratch / f"round{round_}-boxes{boxes}-i{interval_ms:g}-box{n}.log"
-            worker = WorkerProcess(env, log, command="simulate-box", args=args)
+            worker = worker_process(env, log, gpu)
             workers.append(worker.start())
         for worker in workers:
             worker.wait_ready(BOX_READY_TIMEOUT_S)

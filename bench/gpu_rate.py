@@ -4,7 +4,11 @@ import the engine's code, and vLLM with it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+
+from edgeq.testing.processes import WorkerProcess
 
 
 @dataclass(frozen=True)
@@ -21,3 +25,11 @@ class GpuRate:
     def box_args(self) -> tuple[str, ...]:
         """The ``edgeq simulate-box`` options for this rate."""
         return ("--step-ms", f"{self.step_ms:g}", "--prefill-ms", f"{self.prefill_ms:g}")
+
+
+def worker_process(env: Mapping[str, str], log_path: Path, gpu: GpuRate | None) -> WorkerProcess:
+    """``edgeq worker`` with ``env``; with ``gpu``, ``edgeq simulate-box`` at its rate. Not
+    started yet."""
+    if gpu is None:
+        return WorkerProcess(env, log_path)
+    return WorkerProcess(env, log_path, command="simulate-box", args=gpu.box_args())

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edgeq.bench.cpu import cpu_s_by_role
-from edgeq.bench.gpu_rate import GpuRate
+from edgeq.bench.gpu_rate import GpuRate, worker_process
 from edgeq.bench.records import ModeRun, RequestRecord
 from edgeq.bench.targets import ChunkClock, DirectTarget, OpenAITarget, QueueTarget, Target
 from edgeq.bench.workload import BenchRequest, Workload
@@ -210,13 +210,7 @@ def local_worker(
     redis = RedisServer().start()
     try:
         worker_env = {**env, "EDGEQ_REDIS_URL": redis.url, "EDGEQ_QUEUE": BENCH_QUEUE}
-        log_path = log_dir / "worker.log"
-        if gpu is None:
-            worker = WorkerProcess(worker_env, log_path).start()
-        else:
-            worker = WorkerProcess(
-                worker_env, log_path, command="simulate-box", args=gpu.box_args()
-            ).start()
+        worker = worker_process(worker_env, log_dir / "worker.log", gpu).start()
         try:
             worker.wait_ready()
             yield worker, redis

@@ -49,12 +49,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from edgeq.bench.cpu import process_cpu_s
-from edgeq.bench.gpu_rate import GpuRate
+from edgeq.bench.gpu_rate import GpuRate, worker_process
 from edgeq.bench.targets import ChunkClock, DirectTarget
 from edgeq.bench.workload import BenchRequest
 from edgeq.core.protocol import ChatMessage, DeltaEvent, DoneEvent
 from edgeq.producer.client import ChatClient
-from edgeq.testing.processes import RedisServer, WorkerProcess, tiny_model_env
+from edgeq.testing.processes import RedisServer, tiny_model_env
 from edgeq.testing.tiny_model import make_tiny_model
 from edgeq.worker.settings import WorkerSettings
 
@@ -183,11 +183,7 @@ def main() -> int:
         return run_direct(args, model)
     redis_server = RedisServer().start()
     env = tiny_model_env(model, redis_server.url, QUEUE) | {"EDGEQ_MAX_MODEL_LEN": "2048"}
-    gpu, log = simulated_gpu(args), scratch / "worker.log"
-    if gpu is None:
-        worker = WorkerProcess(env, log).start()
-    else:
-        worker = WorkerProcess(env, log, command="simulate-box", args=gpu.box_args()).start()
+    worker = worker_process(env, scratch / "worker.log", simulated_gpu(args)).start()
     sampler: subprocess.Popen[bytes] | None = None
     try:
         worker.wait_ready()
