@@ -80,7 +80,13 @@ class ChatJob:
     """A chat job's stream: read it once with ``stream()``, or just await ``result()``."""
 
     def __init__(
-        self, client: ChatClient, job_id: str, inbox: asyncio.Queue[bytes], after_seq: int
+        self,
+        client: ChatClient,
+        job_id: str,
+        inbox: asyncio.Queue[bytes],
+        after_seq: int,
+        *,
+        submitted: bool = False,
     ) -> None:
         self.job_id = job_id
         self._client = client
@@ -90,9 +96,15 @@ class ChatJob:
         self._text: list[str] = []
         self._terminal: DoneEvent | ErrorEvent | None = None
         self._closed = False
-        # A replay the subscription asked for (see StreamSubscriptions) that Redis being away
-        # prevented: done when the stream next falls silent.
+        # A replay the subscription asked for (see StreamSubscriptions) not done yet: Redis
+        # was away, or the job was just submitted (below). Done when the stream next falls
+        # silent, unless an event arriving in order shows that nothing was missed.
         self._replay_due = False
+        # A job this client just enqueued was subscribed to first, so its worker, which can
+        # only take it after the enqueue, publishes after the subscription took effect: the
+        # first replay is left until silence or a gap. A burst of 50 submits then costs no
+        # 50 replay-buffer reads while the worker starts the jobs (docs/benchmarks.md).
+        self._replay_when_silent = submitted
         self._unavailable: RedisUnavailable | None = None
 
     async def stream(self) -> AsyncIterator[StreamEvent]:
@@ -161,7 +173,10 @@ class ChatJob:
                     await self._while_silent()
                     continue
             if raw == REPLAY:
-                await self._replay()
+                if self._replay_when_silent:
+                    self._replay_when_silent, self._replay_due = False, True
+                else:
+                    await self._replay()
                 continue
             event = self._decode(raw)
             if event.seq <= self._last_seq:
@@ -169,6 +184,10 @@ class ChatJob:
             if event.seq > self._last_seq + 1:
                 await self._backfill()  # events were missed: the replay buffer has them
                 continue
+            # Events go out in seq order, so all before this one were seen: none was missed
+            # (and Redis is there).
+            self._replay_due = self._replay_when_silent = False
+            self._unavailable = None
             return event
 
     def _decode(self, raw: bytes) -> StreamEvent:
@@ -190,8 +209,8 @@ class ChatJob:
             self._unavailable, self._replay_due = None, False
 
     async def _while_silent(self) -> None:
-        """Nothing came for a while: check the job's worker is alive, and do a replay Redis
-        prevented. Redis being away is survived until the stream's deadline."""
+        """Nothing came for a while: check the job's worker is alive, and do a replay still
+        due. Redis being away is survived until the stream's deadline."""
         if self._replay_due:
             await self._replay()
         if self._replay_due:
@@ -298,7 +317,7 @@ class ChatClient:
         )
         if problem:
             raise InvalidRequest(problem)
-        job = await self._subscribe(new_job_id(settings.queue), after_seq=-1)
+        job = await self._subscribe(new_job_id(settings.queue), after_seq=-1, submitted=True)
         try:
             with redis_errors(settings.redis_url):
                 outcome, tenant_cap = await self.queue.enqueue(
@@ -369,7 +388,9 @@ class ChatClient:
         with redis_errors(self.settings.redis_url):
             return await self.queue.cancel(self.events, job_id, reason)
 
-    async def _subscribe(self, job_id: str, *, after_seq: int) -> ChatJob:
+    async def _subscribe(
+        self, job_id: str, *, after_seq: int, submitted: bool = False
+    ) -> ChatJob:
         with redis_errors(self.settings.redis_url):
             inbox = await self.subscriptions.subscribe(job_id)
-        return ChatJob(self, job_id, inbox, after_seq=after_seq)
+        return ChatJob(self, job_id, inbox, after_seq=after_seq, submitted=submitted)

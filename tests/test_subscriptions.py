@@ -101,6 +101,63 @@ async def test_a_stream_whose_events_all_came_before_the_subscription_still_arri
     assert [event.type for event in events] == ["delta", "done"]
 
 
+async def xrange_calls(redis: Redis) -> int:
+    return int((await redis.info("commandstats")).get("cmdstat_xrange", {}).get("calls", 0))
+
+
+async def test_a_submitted_stream_published_before_its_subscription_arrives_when_silent(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    """A job's own client subscribed before its enqueue, so it reads the replay buffer only
+    when the stream stays silent: were the whole stream published first anyway (a Redis
+    that took the subscription late), it still arrives."""
+    job_id = uuid.uuid4().hex
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="early"))
+    await worker_side.append(done(job_id))
+    job = await named_client._subscribe(job_id, after_seq=-1, submitted=True)
+    events = await asyncio.wait_for(collect(job), timeout=10)
+    assert_intact(events, job_id)
+    assert [event.type for event in events] == ["delta", "done"]
+
+
+async def test_a_submitted_stream_whose_first_event_was_missed_fills_it_from_the_buffer(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    job_id = uuid.uuid4().hex
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="a"))
+    job = await named_client._subscribe(job_id, after_seq=-1, submitted=True)
+    reader = asyncio.create_task(collect(job))
+    await asyncio.sleep(0.2)  # the subscription is in effect: the rest arrives live
+    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="b"))
+    await worker_side.append(done(job_id))
+    events = await asyncio.wait_for(reader, timeout=10)
+    assert_intact(events, job_id)
+    assert "".join(e.text for e in events if isinstance(e, DeltaEvent)) == "ab"
+
+
+async def test_submitted_streams_that_missed_nothing_never_read_the_replay_buffer(
+    named_client: ChatClient, redis: Redis
+) -> None:
+    """A burst of submits costs no replay-buffer read per job when every event came live:
+    those reads used to compete with the worker for the box's cores as it started the
+    burst."""
+    reads_before = await xrange_calls(redis)
+    jobs = await asyncio.gather(*(named_client.submit(f"q{n}", max_tokens=4) for n in range(20)))
+    readers = [asyncio.create_task(collect(job)) for job in jobs]
+    await asyncio.sleep(0.2)  # every confirmation came (and a replay it asked for at once)
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    for job in jobs:
+        await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="a"))
+        await worker_side.append(done(job.job_id))
+    streams = await asyncio.wait_for(asyncio.gather(*readers), timeout=30)
+    for job, events in zip(jobs, streams, strict=True):
+        assert_intact(events, job.job_id)
+    assert await xrange_calls(redis) == reads_before
+    await named_client.redis.delete(named_client.settings.queue)
+
+
 async def test_a_dropped_pubsub_connection_loses_no_event(
     named_client: ChatClient, redis: Redis
 ) -> None:
