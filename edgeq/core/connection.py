@@ -4,13 +4,16 @@ translation of redis-py's errors."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+import functools
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import redis.exceptions
 from arq.connections import ArqRedis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 
 from edgeq.core.cluster import SlotOwnerConnection, is_cluster_url, parse_cluster_url, queue_slot
@@ -53,7 +56,7 @@ def make_redis(
     if not settings.redis_url.startswith("unix://"):  # a Unix socket has no TCP keepalive
         sockets["socket_keepalive"] = True
     if not is_sentinel_url(settings.redis_url):
-        pool_class = ConnectionPool if max_connections is None else BlockingConnectionPool
+        pool_class = _Pool if max_connections is None else _BlockingPool
         capped: dict[str, Any] = {}
         if max_connections is not None:
             capped = {
@@ -111,7 +114,87 @@ def make_redis(
     return redis
 
 
-class _SentinelPool(SentinelConnectionPool):
+def received_unread(connection: AbstractConnection) -> bool:
+    """Whether a connection holds bytes no command read (a reply left behind), or its server
+    closed it: what redis-py's own check before each command finds, without waiting for the
+    socket. Looks at redis-py 5's private stream reader and hiredis parser."""
+    stream = connection._reader
+    parser = getattr(connection._parser, "_reader", None)  # hiredis.Reader
+    return bool(
+        (stream is not None and (stream.at_eof() or len(stream._buffer)))
+        or (parser is not None and parser.has_data())
+    )
+
+
+class _PromptWrites(AbstractConnection):
+    """Writes a command at once. redis-py 5 writes under ``asyncio.wait_for``, which on Python
+    3.11 runs the write in a task of its own: the command goes out only after every task
+    already waiting to run has run (and pays for the task and its timer)."""
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        # redis-py's, with asyncio.timeout in place of wait_for.
+        if not self.is_connected:
+            await self.connect()
+        elif check_health:
+            await self.check_health()
+        if isinstance(command, str):
+            command = command.encode()
+        if isinstance(command, bytes):
+            command = [command]
+        try:
+            async with asyncio.timeout(self.socket_timeout or None):
+                self._writer.writelines(command)
+                await self._writer.drain()
+        except TimeoutError:
+            await self.disconnect(nowait=True)
+            raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+        except OSError as error:
+            await self.disconnect(nowait=True)
+            raise redis.exceptions.ConnectionError(
+                f"Error while writing to socket: {error}"
+            ) from error
+        except BaseException:  # a write cut short: what was sent of it cannot be taken back
+            await self.disconnect(nowait=True)
+            raise
+
+
+@functools.cache
+def _with_prompt_writes(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    return type(connection_class.__name__, (_PromptWrites, connection_class), {})
+
+
+class _PromptPool(ConnectionPool):
+    """A pool whose commands go out the moment they are sent. Under a burst, redis-py 5 let
+    every command wait behind whatever tasks were ready: the worker's next claim went out only
+    after the jobs it had just started reached the engine, a first token's publish after the
+    other jobs' work (docs/benchmarks.md, "2026-12-05: starting a burst"). Its connections
+    write at once (``_PromptWrites``), and the check before each command that no reply was
+    left behind looks at what the connection already received instead of reading the socket
+    under a zero timeout (two event-loop turns). A reply still in the kernel's buffer then goes
+    unseen; redis-py drops a connection whose command was interrupted, so none is left there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection_class = _with_prompt_writes(self.connection_class)
+
+    async def ensure_connection(self, connection: AbstractConnection) -> None:
+        await connection.connect()  # at once when connected
+        if received_unread(connection):
+            await connection.disconnect()
+            await connection.connect()
+
+
+class _Pool(_PromptPool, ConnectionPool):
+    pass
+
+
+class _BlockingPool(_PromptPool, BlockingConnectionPool):
+    pass
+
+
+class _SentinelPool(_PromptPool, SentinelConnectionPool):
     """Closing the client closes its connections to the Sentinels too (redis-py leaves them
     open); they reopen if the client is used again."""
 

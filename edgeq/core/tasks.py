@@ -2,9 +2,10 @@
 
 On Python 3.11, ``asyncio.wait_for`` returns the awaited result instead of raising when that
 result arrives in the same loop turn as a cancel (3.12 rebuilt it on ``asyncio.timeout``), and
-redis-py 5 (arq's pin) sends every command through it with a socket timeout. So a task cancelled
-while its Redis write completes does not see the cancel: a stream reader waits on until its
-stream timeout, a listener loop runs forever, and whoever awaits it hangs. ``cancel_and_wait``
+redis-py 5 (arq's pin) sends every command through it with a socket timeout (edgeq's own
+connections no longer do, core/connection.py; a pool made elsewhere still does). So a task
+cancelled while its Redis write completes does not see the cancel: a stream reader waits on
+until its stream timeout, a listener loop runs forever, and whoever awaits it hangs. ``cancel_and_wait``
 cancels again whatever is still running after a moment, as anyio's cancel scopes do; the moment
 leaves a task that did see the cancel time to finish its cleanup (an UNSUBSCRIBE, a release).
 """
