@@ -104,6 +104,7 @@ local in_progress_prefix, job_prefix, retry_prefix, retry_ttl = ARGV[7], ARGV[8]
 local queue, leases, fair, tenant_of, queued, aging, tenancy, abort = unpack(KEYS, 1, 8)
 local head = redis.call('ZRANGEBYSCORE', queue, '-inf', now, 'WITHSCORES', 'LIMIT', 0, scan_limit)
 local claimed, taken, batch = {}, 0, 0
+local clocks = {}  -- per band, the largest start tag taken: written once, after the loop
 for i = 1, #head, 2 do
   if taken >= wanted then break end
   local job_id, score = head[i], tonumber(head[i + 1])
@@ -120,17 +121,20 @@ for i = 1, #head, 2 do
     redis.call('PEXPIRE', payload_key, ttl)
     local starts = redis.call('INCR', retry_prefix .. job_id)
     redis.call('EXPIRE', retry_prefix .. job_id, retry_ttl)
-    -- The band's virtual clock: the largest start tag taken in it.
     local tag = score - band * BAND_SPAN
-    if tag > tonumber(redis.call('HGET', fair, 'clock:' .. band) or '0') then
-      redis.call('HSET', fair, 'clock:' .. band, exact(tag))
-    end
+    if tag > (clocks[band] or -1) then clocks[band] = tag end
     if tenant then dequeued(fair, tenant_of, queued, aging, job_id, band, tenant) end
     claimed[#claimed + 1] = job_id
     claimed[#claimed + 1] = exact(score)
     claimed[#claimed + 1] = redis.call('GET', payload_key)
     claimed[#claimed + 1] = starts
     claimed[#claimed + 1] = redis.call('ZREM', abort, job_id)
+  end
+end
+-- Each band's virtual clock: the largest start tag taken in it.
+for band, tag in pairs(clocks) do
+  if tag > tonumber(redis.call('HGET', fair, 'clock:' .. band) or '0') then
+    redis.call('HSET', fair, 'clock:' .. band, exact(tag))
   end
 end
 -- Aging: jobs queued long enough move up one class, into their tenant's flow there.
@@ -145,7 +149,7 @@ if aging_ms > 0 then
     if tenant and band and band > 0 then
       leave_flow(fair, band, tenant)
       band = band - 1
-      local start = join_flow(fair, tenancy, band, tenant)
+      local start = join_flow(fair, band, tenant, weight_of(tenancy, tenant))
       redis.call('ZADD', queue, 'XX', score_of(band, start), job_id)
       if band > 0 then
         redis.call('ZADD', aging, redis_now + aging_ms, job_id)

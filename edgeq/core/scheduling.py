@@ -136,12 +136,12 @@ local function weight_of(tenancy, tenant)
   return tonumber(weights[1] or weights[2] or '1')
 end
 -- The start tag of the tenant's next job in the band; the job joins the tenant's flow there.
-local function join_flow(fair, tenancy, band, tenant)
+local function join_flow(fair, band, tenant, weight)
   local flow = band .. ':' .. tenant
   local state = redis.call('HMGET', fair, 'clock:' .. band, 'tag:' .. flow, 'queued:' .. flow)
   local start = tonumber(state[1] or '0')
   if tonumber(state[3] or '0') > 0 then start = math.max(start, tonumber(state[2])) end
-  redis.call('HSET', fair, 'tag:' .. flow, exact(start + 1 / weight_of(tenancy, tenant)))
+  redis.call('HSET', fair, 'tag:' .. flow, exact(start + 1 / weight))
   redis.call('HINCRBY', fair, 'queued:' .. flow, 1)
   return start
 end
