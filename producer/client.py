@@ -388,9 +388,7 @@ class ChatClient:
         with redis_errors(self.settings.redis_url):
             return await self.queue.cancel(self.events, job_id, reason)
 
-    async def _subscribe(
-        self, job_id: str, *, after_seq: int, submitted: bool = False
-    ) -> ChatJob:
+    async def _subscribe(self, job_id: str, *, after_seq: int, submitted: bool = False) -> ChatJob:
         with redis_errors(self.settings.redis_url):
             inbox = await self.subscriptions.subscribe(job_id)
         return ChatJob(self, job_id, inbox, after_seq=after_seq, submitted=submitted)

@@ -5,9 +5,10 @@ result arrives in the same loop turn as a cancel (3.12 rebuilt it on ``asyncio.t
 redis-py 5 (arq's pin) sends every command through it with a socket timeout (edgeq's own
 connections no longer do, core/connection.py; a pool made elsewhere still does). So a task
 cancelled while its Redis write completes does not see the cancel: a stream reader waits on
-until its stream timeout, a listener loop runs forever, and whoever awaits it hangs. ``cancel_and_wait``
-cancels again whatever is still running after a moment, as anyio's cancel scopes do; the moment
-leaves a task that did see the cancel time to finish its cleanup (an UNSUBSCRIBE, a release).
+until its stream timeout, a listener loop runs forever, and whoever awaits it hangs.
+``cancel_and_wait`` cancels again whatever is still running after a moment, as anyio's cancel
+scopes do; the moment leaves a task that did see the cancel time to finish its cleanup (an
+UNSUBSCRIBE, a release).
 """
 
 from __future__ import annotations
