@@ -114,7 +114,7 @@ def make_redis(
     return redis
 
 
-def received_unread(connection: AbstractConnection) -> bool:
+def _received_unread(connection: AbstractConnection) -> bool:
     """Whether a connection holds bytes no command read (a reply left behind), or its server
     closed it: what redis-py's own check before each command finds, without waiting for the
     socket. Looks at redis-py 5's private stream reader and hiredis parser."""
@@ -181,7 +181,7 @@ class _PromptPool(ConnectionPool):
 
     async def ensure_connection(self, connection: AbstractConnection) -> None:
         await connection.connect()  # at once when connected
-        if received_unread(connection):
+        if _received_unread(connection):
             await connection.disconnect()
             await connection.connect()
 
