@@ -56,7 +56,7 @@ def make_redis(
     if not settings.redis_url.startswith("unix://"):  # a Unix socket has no TCP keepalive
         sockets["socket_keepalive"] = True
     if not is_sentinel_url(settings.redis_url):
-        pool_class = _Pool if max_connections is None else _BlockingPool
+        pool_class = _PromptPool if max_connections is None else _BlockingPool
         capped: dict[str, Any] = {}
         if max_connections is not None:
             capped = {
@@ -184,10 +184,6 @@ class _PromptPool(ConnectionPool):
         if _received_unread(connection):
             await connection.disconnect()
             await connection.connect()
-
-
-class _Pool(_PromptPool, ConnectionPool):
-    pass
 
 
 class _BlockingPool(_PromptPool, BlockingConnectionPool):
