@@ -86,16 +86,19 @@ async def test_a_thousand_streams_in_flight_hold_at_most_four_connections(
     await named_client.redis.delete(named_client.settings.queue)
 
 
+@pytest.mark.parametrize("submitted", [False, True], ids=["attached", "submitted"])
 async def test_a_stream_whose_events_all_came_before_the_subscription_still_arrives(
-    named_client: ChatClient, redis: Redis
+    named_client: ChatClient, redis: Redis, submitted: bool
 ) -> None:
     """SUBSCRIBE is not confirmed before the enqueue: were a whole (short) stream published
-    before Redis took the subscription, the silent stream reads its replay buffer."""
+    before Redis took the subscription, it still arrives. An attached stream reads its replay
+    buffer when the subscription is confirmed; a job its own client just submitted (subscribed
+    before its enqueue) reads it when the stream stays silent."""
     job_id = uuid.uuid4().hex
     worker_side = EventLog(redis, replay_ttl_s=60)
     await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="early"))
     await worker_side.append(done(job_id))
-    job = await named_client._subscribe(job_id, after_seq=-1)
+    job = await named_client._subscribe(job_id, after_seq=-1, submitted=submitted)
     events = await asyncio.wait_for(collect(job), timeout=10)
     assert_intact(events, job_id)
     assert [event.type for event in events] == ["delta", "done"]
@@ -103,22 +106,6 @@ async def test_a_stream_whose_events_all_came_before_the_subscription_still_arri
 
 async def xrange_calls(redis: Redis) -> int:
     return int((await redis.info("commandstats")).get("cmdstat_xrange", {}).get("calls", 0))
-
-
-async def test_a_submitted_stream_published_before_its_subscription_arrives_when_silent(
-    named_client: ChatClient, redis: Redis
-) -> None:
-    """A job's own client subscribed before its enqueue, so it reads the replay buffer only
-    when the stream stays silent: were the whole stream published first anyway (a Redis
-    that took the subscription late), it still arrives."""
-    job_id = uuid.uuid4().hex
-    worker_side = EventLog(redis, replay_ttl_s=60)
-    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="early"))
-    await worker_side.append(done(job_id))
-    job = await named_client._subscribe(job_id, after_seq=-1, submitted=True)
-    events = await asyncio.wait_for(collect(job), timeout=10)
-    assert_intact(events, job_id)
-    assert [event.type for event in events] == ["delta", "done"]
 
 
 async def test_a_submitted_stream_whose_first_event_was_missed_fills_it_from_the_buffer(
