@@ -302,7 +302,7 @@ async def run_chat(
         if params
         else _nothing()
     )
-    # The start's metrics and log line (~40 µs of the event loop each) wait until the loop is
+    # The start's metrics and log line (~40 µs of the event loop together) wait until the loop is
     # next free, which is after every job of a claimed burst reached the engine: its first
     # suspension is in the loop below (docs/benchmarks.md, "2026-12-05: starting a burst").
     with sooner_or_on_exit(announce_start):
