@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +244,8 @@ class FastPickupWorker(Worker):
     #: Set by a wake message and by a job's end; the main loop claims when it is set.
     _work_signal: asyncio.Event | None = None
     _wake_listener: asyncio.Task[None] | None = None
+    #: When running jobs are next checked for arq's aborts (time.monotonic()).
+    _next_abort_check = 0.0
 
     #: How long the lease written at claim lasts (EDGEQ_LEASE_TTL_S), in ms.
     lease_ttl_ms = 10_000
@@ -316,7 +319,10 @@ class FastPickupWorker(Worker):
             return await super()._poll_iteration()
         if self.allow_pick_jobs and self.job_counter < self.max_jobs:
             await self.claim_and_start()
-        if self.allow_abort_jobs:
+        # Aborts as often as arq looks for them (every poll_delay), not on every wake and job
+        # end: that round trip stood between a wake that came during it and the next claim.
+        if self.allow_abort_jobs and time.monotonic() >= self._next_abort_check:
+            self._next_abort_check = time.monotonic() + self.poll_delay_s
             await self._cancel_aborted_jobs()
         for job_id, task in list(self.tasks.items()):
             if task.done():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from arq.jobs import Job, SerializationError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
@@ -23,7 +24,7 @@ from redis.asyncio import Redis
 from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
 from edgeq.core.events import finished_with
 from edgeq.core.keys import in_progress_key, leases_key
-from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, load_json
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
 from edgeq.worker.engine_processes import engine_pids, identify, wait_until_gone
@@ -501,6 +502,29 @@ async def test_cancel_during_generation_aborts_the_engine_request(
     assert stopped, "the worker never stopped the cancelled generation"
     assert stopped[0]["engine_unfinished_requests"] == 0  # the engine's own count
     assert await job.cancel() is False  # already ended
+
+
+async def test_arqs_own_abort_stops_a_running_job(
+    client: ChatClient, worker: WorkerProcess
+) -> None:
+    """arq's ``Job.abort`` signals nothing: the worker looks for it every EDGEQ_POLL_DELAY_MS
+    (README), however often wakes and job ends make it claim."""
+    job = await client.submit("abort me", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+    _, stream = await first_delta(job)
+    asked = time.monotonic()
+    arq_job = Job(
+        job.job_id, client.redis, _queue_name=client.settings.queue, _deserializer=load_json
+    )
+    aborting = asyncio.create_task(arq_job.abort(timeout=10, poll_delay=0.05))
+    rest = [event async for event in stream]
+    latency_ms = (time.monotonic() - asked) * 1000
+    assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
+    assert "aborted" in rest[-1].message
+    # arq's abort() then reads the job's result, kept as JSON: arq cannot read an exception
+    # from it (README, EDGEQ_POLL_DELAY_MS).
+    with pytest.raises(SerializationError, match="CancelledError"):
+        await aborting
+    FIGURES["arq Job.abort -> terminal event (ms)"] = round(latency_ms, 1)
 
 
 async def test_a_job_cancelled_while_queued_never_starts(
