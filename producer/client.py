@@ -317,16 +317,21 @@ class ChatClient:
         )
         if problem:
             raise InvalidRequest(problem)
-        job = await self._subscribe(new_job_id(settings.queue), after_seq=-1, submitted=True)
+        job_id = new_job_id(settings.queue)
+        # The enqueue waits for the SUBSCRIBE to be written, not for a loop turn after it: both
+        # go out in the next turn, the SUBSCRIBE first (and the enqueue not at all if it fails).
+        inbox, subscribed = self.subscriptions.subscribe_soon(job_id)
+        job = ChatJob(self, job_id, inbox, after_seq=-1, submitted=True)
         try:
             with redis_errors(settings.redis_url):
                 outcome, tenant_cap = await self.queue.enqueue(
-                    job.job_id,
+                    job_id,
                     payload,
                     deadline_s=deadline_s if deadline_s is not None else settings.queue_deadline_s,
                     max_depth=settings.max_queue,
                     tenant=request.tenant or settings.tenant,
                     priority=request.priority,
+                    after=subscribed,
                 )
         except BaseException:
             await job.aclose()
@@ -369,7 +374,9 @@ class ChatClient:
         """Follow an existing job from ``after_seq`` on: what was published is replayed from the
         job's buffer (kept EDGEQ_REPLAY_TTL_S), then the stream follows live, with no gap and
         no duplicate. Works after the job finished, until its buffer expires."""
-        job = await self._subscribe(job_id, after_seq=after_seq)
+        with redis_errors(self.settings.redis_url):
+            inbox = await self.subscriptions.subscribe(job_id)
+        job = ChatJob(self, job_id, inbox, after_seq=after_seq)
         try:
             await job._backfill()
             if not job._backlog:  # nothing after after_seq: maybe the stream already ended
@@ -387,8 +394,3 @@ class ChatClient:
         the engine. False if it had already ended."""
         with redis_errors(self.settings.redis_url):
             return await self.queue.cancel(self.events, job_id, reason)
-
-    async def _subscribe(self, job_id: str, *, after_seq: int, submitted: bool = False) -> ChatJob:
-        with redis_errors(self.settings.redis_url):
-            inbox = await self.subscriptions.subscribe(job_id)
-        return ChatJob(self, job_id, inbox, after_seq=after_seq, submitted=submitted)

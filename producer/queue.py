@@ -7,6 +7,7 @@ The job is stored exactly as arq expects it (README, "Wire contract").
 
 from __future__ import annotations
 
+import asyncio
 import time
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -130,13 +131,15 @@ class JobQueue:
         max_depth: int,
         tenant: str,
         priority: Priority | None,
+        after: asyncio.Future[Any] | None = None,
     ) -> EnqueueOutcome:
         """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit) or
         the tenant has as many queued as its cap; its score puts it in its priority class and
         its tenant's fair share (core/scheduling.py).
 
         The job's payload expires after ``deadline_s``: a worker reaching it later finds it
-        gone and ends it with ``expired`` instead of starting it late.
+        gone and ends it with ``expired`` instead of starting it late. ``after``: a future the
+        enqueue is not sent before, and not at all if it fails (core/batching.py).
         """
         now_ms = time.time() * 1000
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
@@ -152,6 +155,7 @@ class JobQueue:
                 band_of(priority),
                 tenant,
             ],
+            after=after,
         )
         return EnqueueOutcome(Enqueued(int(reply[0])), *(int(value) for value in reply[1:]))
 

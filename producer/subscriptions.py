@@ -57,6 +57,19 @@ class StreamSubscriptions:
         """A queue that receives the raw events published on the job's channel, and
         ``REPLAY`` when the subscription takes effect. Raises redis-py's error if Redis is
         unreachable."""
+        queue, sent = self.subscribe_soon(job_id)
+        try:
+            await sent
+        except BaseException:
+            self._forget(stream_channel(job_id).encode(), queue)
+            raise
+        return queue
+
+    def subscribe_soon(self, job_id: str) -> tuple[asyncio.Queue[bytes], asyncio.Future[None]]:
+        """``subscribe`` without waiting: the queue, and a future done once the SUBSCRIBE is
+        written (redis-py's error if it could not be). The write runs in the next loop turn,
+        with the other subscribes of this one; a caller that fails the future's wait should
+        ``unsubscribe`` the queue."""
         channel = stream_channel(job_id).encode()
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         # SUBSCRIBE goes out even if the channel is already subscribed: its confirmation is
@@ -66,13 +79,7 @@ class StreamSubscriptions:
         self._pending.append((channel, sent))
         if self._subscriber is None or self._subscriber.done():
             self._subscriber = asyncio.create_task(self._send_subscribes())
-        try:
-            await sent
-        except BaseException:
-            self._forget(channel, queue)
-            raise
-        self._start_reader()
-        return queue
+        return queue, sent
 
     async def _send_subscribes(self) -> None:
         while self._pending:
@@ -87,6 +94,7 @@ class StreamSubscriptions:
                 if not isinstance(error, Exception):
                     raise
                 continue
+            self._start_reader()
             for _, sent in batch:
                 if not sent.done():
                     sent.set_result(None)
@@ -96,6 +104,14 @@ class StreamSubscriptions:
         the write) when it was the channel's last."""
         channel = stream_channel(job_id).encode()
         if not self._forget(channel, queue) or channel in self._queues:
+            return
+        if any(pending == channel for pending, _ in self._pending):
+            # Its SUBSCRIBE was not written yet (a submit cancelled at once): it never will be,
+            # rather than go out after an UNSUBSCRIBE and leave the channel subscribed.
+            for pending, sent in self._pending:
+                if pending == channel:
+                    sent.cancel()
+            self._pending = [(other, sent) for other, sent in self._pending if other != channel]
             return
         async with self._writing:
             if channel in self._queues:  # a new reader came while we waited: keep the channel

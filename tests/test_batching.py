@@ -86,3 +86,35 @@ async def test_a_call_that_raises_fails_alone_and_the_others_of_its_batch_run(
     assert results[0] == results[2] == [1, 1, 1]
     assert isinstance(results[1], ResponseError) and "WRONGTYPE" in str(results[1]), results
     assert await script(["after"], ["2"]) == [2, 1, 1]  # the connection is clean
+
+
+async def test_a_call_after_a_future_reaches_redis_only_once_it_is_done(
+    private_redis: Redis,
+) -> None:
+    script = BatchedScript(private_redis, APPEND)
+    written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    held = asyncio.create_task(script(["list"], ["held"], after=written))
+    free = await script(["other"], ["free"])  # a call after nothing is not held up
+    assert free == [1, 1, 1]
+    await asyncio.sleep(0.05)
+    assert not held.done() and await private_redis.llen("list") == 0
+    written.set_result(None)
+    assert await held == [1, 1, 1]
+
+
+async def test_a_call_whose_future_fails_is_never_sent_and_fails_with_its_error(
+    private_redis: Redis,
+) -> None:
+    script = BatchedScript(private_redis, APPEND)
+    written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    held = asyncio.gather(
+        script(["list"], ["held"], after=written),
+        script(["list"], ["unrelated"]),  # same batch, nothing to wait for: runs
+        return_exceptions=True,
+    )
+    await asyncio.sleep(0)
+    written.set_exception(ConnectionError("subscribe failed"))
+    results = await held
+    assert isinstance(results[0], ConnectionError) and "subscribe failed" in str(results[0])
+    assert results[1] == [1, 1, 1]
+    assert await private_redis.lrange("list", 0, -1) == [b"unrelated"]

@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from edgeq.core.errors import RedisUnavailable
 from edgeq.core.events import EventLog
 from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent, Timings, Usage
 from edgeq.producer.client import ChatClient, ChatJob
@@ -52,6 +55,13 @@ async def named_client(redis_server: RedisServer, queue: str) -> AsyncIterator[C
 
 async def collect(job: ChatJob) -> list[StreamEvent]:
     return [event async for event in job.stream()]
+
+
+async def follow(client: ChatClient, job_id: str, *, submitted: bool) -> ChatJob:
+    """A job's stream as ``submit`` (``submitted``) or ``attach`` starts following it, with
+    no enqueue and no read of the buffer beforehand: the test plays the worker."""
+    inbox = await client.subscriptions.subscribe(job_id)
+    return ChatJob(client, job_id, inbox, after_seq=-1, submitted=submitted)
 
 
 async def test_a_thousand_streams_in_flight_hold_at_most_four_connections(
@@ -98,10 +108,59 @@ async def test_a_stream_whose_events_all_came_before_the_subscription_still_arri
     worker_side = EventLog(redis, replay_ttl_s=60)
     await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="early"))
     await worker_side.append(done(job_id))
-    job = await named_client._subscribe(job_id, after_seq=-1, submitted=submitted)
+    job = await follow(named_client, job_id, submitted=submitted)
     events = await asyncio.wait_for(collect(job), timeout=10)
     assert_intact(events, job_id)
     assert [event.type for event in events] == ["delta", "done"]
+
+
+async def test_a_submit_whose_subscribe_cannot_be_written_enqueues_nothing(
+    named_client: ChatClient, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The enqueue goes out with the SUBSCRIBE, not a loop turn after it, but never ahead of
+    it: a job nobody could follow is not left to run."""
+
+    async def refused(self: PubSub, *channels: object) -> None:
+        raise RedisConnectionError("the pub/sub connection was refused")
+
+    monkeypatch.setattr(PubSub, "subscribe", refused)
+    with pytest.raises(RedisUnavailable, match="pub/sub connection was refused"):
+        await named_client.submit("nobody would hear this", max_tokens=4)
+    assert await redis.zcard(named_client.settings.queue) == 0
+    assert not named_client.subscriptions._queues  # nothing left routed to a dead reader
+
+
+async def test_a_submit_cancelled_before_its_subscribe_went_out_leaves_no_subscription(
+    named_client: ChatClient, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SUBSCRIBE still waiting behind another one's write is dropped, not sent after the
+    cancelled submit's UNSUBSCRIBE (which would leave its channel subscribed for good)."""
+    write_subscribe = PubSub.subscribe
+
+    async def slow(self: PubSub, *channels: object) -> None:
+        await asyncio.sleep(0.1)
+        await write_subscribe(self, *channels)
+
+    monkeypatch.setattr(PubSub, "subscribe", slow)
+    first = asyncio.create_task(named_client.submit("first", max_tokens=4))
+    await asyncio.sleep(0.02)  # its SUBSCRIBE is being written
+    second = asyncio.create_task(named_client.submit("second", max_tokens=4))
+    await asyncio.sleep(0.02)  # its SUBSCRIBE waits for the next write
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    job = await first
+    await asyncio.sleep(0.3)
+    name = named_client.connection_name  # type: ignore[attr-defined]
+    subscribed = [
+        int(client["sub"])
+        for client in await redis.client_list()
+        if client.get("name") == name and client["flags"] == "P"
+    ]
+    assert subscribed == [1], subscribed  # the first job's channel only
+    assert await redis.zcard(named_client.settings.queue) == 1  # the second never enqueued
+    await job.aclose()
+    await named_client.redis.delete(named_client.settings.queue)
 
 
 async def xrange_calls(redis: Redis) -> int:
@@ -114,7 +173,7 @@ async def test_a_submitted_stream_whose_first_event_was_missed_fills_it_from_the
     job_id = uuid.uuid4().hex
     worker_side = EventLog(redis, replay_ttl_s=60)
     await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="a"))
-    job = await named_client._subscribe(job_id, after_seq=-1, submitted=True)
+    job = await follow(named_client, job_id, submitted=True)
     reader = asyncio.create_task(collect(job))
     await asyncio.sleep(0.2)  # the subscription is in effect: the rest arrives live
     await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="b"))

@@ -17,6 +17,10 @@ jobs' share the queue's hash tag: core/keys.py).
 The command is packed by hiredis (C; redis-py's own packing cost about a tenth of the worker's
 event loop under the seed's burst, docs/benchmarks-history.md) and sent with EVALSHA; a script
 Redis does not have (after a restart) is loaded once and the batch sent again.
+
+A call can be held back until something else has happened (``after``): a client's enqueue
+waits for its SUBSCRIBE to be written, without a loop turn of its own in between
+(producer/client.py).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
 Call = tuple[Sequence[str], Sequence[bytes | str | int]]  # keys, args
+# A call waiting for its batch: the call, its caller's future, what it must wait for.
+_Queued = tuple[Call, "asyncio.Future[Any]", "asyncio.Future[Any] | None"]
 
 
 def combined(source: str) -> str:
@@ -62,29 +68,41 @@ class BatchedScript:
         self._redis = redis
         self._source = combined(source)
         self._sha = hashlib.sha1(self._source.encode()).hexdigest()
-        self._queued: list[tuple[Call, asyncio.Future[Any]]] = []
+        self._queued: list[_Queued] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def __call__(self, keys: Sequence[str], args: Sequence[bytes | str | int]) -> Any:
-        return (await self.call_many([(keys, args)]))[0]
+    async def __call__(
+        self,
+        keys: Sequence[str],
+        args: Sequence[bytes | str | int],
+        *,
+        after: asyncio.Future[Any] | None = None,
+    ) -> Any:
+        return (await self.call_many([(keys, args)], after=after))[0]
 
-    async def call_many(self, calls: Sequence[Call]) -> list[Any]:
-        """Several calls, in order, in the same batch; their replies in the same order."""
+    async def call_many(
+        self, calls: Sequence[Call], *, after: asyncio.Future[Any] | None = None
+    ) -> list[Any]:
+        """Several calls, in order, in the same batch; their replies in the same order.
+
+        ``after``: a future the calls must not reach Redis before (they go in the first batch
+        after it is done); if it fails, they are not sent and fail with its error."""
         loop = asyncio.get_running_loop()
         futures = []
         for call in calls:
             future: asyncio.Future[Any] = loop.create_future()
-            self._queued.append((call, future))
+            self._queue((call, future, after))
             futures.append(future)
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
         if len(futures) == 1:  # most calls: no gather's own future and callbacks per call
             return [await futures[0]]
         return list(await asyncio.gather(*futures))
 
     async def _flush(self) -> None:
         while self._queued:
-            batch, self._queued = self._queued, []
+            queued, self._queued = self._queued, []
+            batch = self._ready(queued)
+            if not batch:
+                continue
             try:
                 replies = await self._execute([call for call, _ in batch])
             except BaseException as error:  # every waiting caller learns what happened
@@ -101,6 +119,32 @@ class BatchedScript:
                     future.set_exception(reply)
                 else:
                     future.set_result(reply)
+
+    def _ready(self, queued: list[_Queued]) -> list[tuple[Call, asyncio.Future[Any]]]:
+        """The queued calls that may go now. One whose ``after`` is not done yet comes back
+        to the queue when it is (the rest do not wait for it); one whose ``after`` failed
+        fails with its error, unsent."""
+        ready = []
+        for queued_call in queued:
+            call, future, after = queued_call
+            if after is None:
+                ready.append((call, future))
+            elif not after.done():
+                after.add_done_callback(lambda _, held=queued_call: self._queue(held))
+            elif future.done():
+                continue  # its caller stopped waiting
+            elif after.cancelled():
+                future.cancel()
+            elif (error := after.exception()) is not None:
+                future.set_exception(error)
+            else:
+                ready.append((call, future))
+        return ready
+
+    def _queue(self, queued_call: _Queued) -> None:
+        self._queued.append(queued_call)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
 
     async def _execute(self, calls: Sequence[Call]) -> list[Any]:
         try:
