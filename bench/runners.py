@@ -156,7 +156,7 @@ async def run_users(
     schedule = user_schedule(len(workload.requests), users)
     # Everything alive now (the tokenizer, vLLM's modules, a direct engine) outlives the run:
     # frozen, no full collection walks it during the measurement. Unfrozen, this process's
-    # full collections took 100-680 ms (the client of every mode; docs/benchmarks.md).
+    # full collections took 100-680 ms (the client of every mode; docs/benchmarks-history.md).
     gc.collect()
     gc.freeze()
     if progress is not None:

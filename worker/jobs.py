@@ -304,7 +304,7 @@ async def run_chat(
     )
     # The start's metrics and log line (~40 µs of the event loop together) wait until the loop is
     # next free, which is after every job of a claimed burst reached the engine: its first
-    # suspension is in the loop below (docs/benchmarks.md, "2026-12-05: starting a burst").
+    # suspension is in the loop below (docs/benchmarks.md, "Where the milliseconds go").
     with sooner_or_on_exit(announce_start):
         async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
             async for output in outputs:

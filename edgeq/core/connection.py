@@ -169,7 +169,7 @@ class _PromptPool(ConnectionPool):
     """A pool whose commands go out the moment they are sent. Under a burst, redis-py 5 let
     every command wait behind whatever tasks were ready: the worker's next claim went out only
     after the jobs it had just started reached the engine, a first token's publish after the
-    other jobs' work (docs/benchmarks.md, "2026-12-05: starting a burst"). Its connections
+    other jobs' work (docs/benchmarks.md, "Where the milliseconds go"). Its connections
     write at once (``_PromptWrites``), and the check before each command that no reply was
     left behind looks at what the connection already received instead of reading the socket
     under a zero timeout (two event-loop turns). A reply still in the kernel's buffer then goes
