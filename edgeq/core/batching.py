@@ -131,13 +131,12 @@ class BatchedScript:
                 ready.append((call, future))
             elif not after.done():
                 after.add_done_callback(lambda _, held=queued_call: self._queue(held))
-            elif future.done():
-                continue  # its caller stopped waiting
             elif after.cancelled():
                 future.cancel()
             elif (error := after.exception()) is not None:
-                future.set_exception(error)
-            else:
+                if not future.done():  # else its caller stopped waiting
+                    future.set_exception(error)
+            elif not future.done():
                 ready.append((call, future))
         return ready
 
