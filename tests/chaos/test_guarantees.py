@@ -36,7 +36,6 @@ from helpers import (
     run_raw_job,
     slowed,
     suspend_engine,
-    suspended,
 )
 
 pytestmark = pytest.mark.engine
@@ -509,19 +508,24 @@ async def test_arqs_own_abort_stops_a_running_job(
     client: ChatClient, worker: WorkerProcess
 ) -> None:
     """arq's ``Job.abort`` signals nothing: the worker looks for it every EDGEQ_POLL_DELAY_MS
-    (README), however often wakes and job ends make it claim."""
-    job = await client.submit("abort me", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-    _, stream = await first_delta(job)
-    # The engine held still: the chat is still running when the worker next looks, however
-    # fast or loaded this machine is; the worker aborts it without the engine's help.
-    with suspended(engine_of(worker)):
-        asked = time.monotonic()
-        arq_job = Job(
-            job.job_id, client.redis, _queue_name=client.settings.queue, _deserializer=load_json
-        )
-        aborting = asyncio.create_task(arq_job.abort(timeout=10, poll_delay=0.05))
-        rest = [event async for event in stream]
-        latency_ms = (time.monotonic() - asked) * 1000
+    (README), however often wakes and job ends make it claim. The engine is slowed
+    (``helpers.slowed``), then held still: the chat is still running when its first delta is
+    in and when the worker next looks, however loaded the machine (in CI whole 300-token
+    answers had been generated before their first delta was streamed)."""
+    with slowed(worker) as engine:
+        job = await client.submit("abort me", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+        _, stream = await first_delta(job)
+        with engine.held():
+            asked = time.monotonic()
+            arq_job = Job(
+                job.job_id,
+                client.redis,
+                _queue_name=client.settings.queue,
+                _deserializer=load_json,
+            )
+            aborting = asyncio.create_task(arq_job.abort(timeout=10, poll_delay=0.05))
+            rest = [event async for event in stream]
+            latency_ms = (time.monotonic() - asked) * 1000
     assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
     assert "aborted" in rest[-1].message
     # arq's abort() then reads the job's result, kept as JSON: arq cannot read an exception
