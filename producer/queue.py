@@ -57,7 +57,7 @@ local cap = tonumber(rules[1] or '0')
 if cap > 0 and tonumber(redis.call('HGET', KEYS[5], tenant) or '0') >= cap then
   return {-2, cap}
 end
-local start = join_flow(KEYS[3], band, tenant, tonumber(rules[2] or rules[3] or '1'))
+local start = join_flow(KEYS[3], band, tenant, weight_from(rules[2], rules[3]))
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[1], score_of(band, start), ARGV[4])
 redis.call('HSET', KEYS[4], ARGV[4], band .. ':' .. tenant)

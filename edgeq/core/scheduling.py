@@ -131,9 +131,11 @@ local BAND_SPAN = {BAND_SPAN}
 local function exact(number) return string.format('%.17g', number) end
 local function band_of_score(score) return math.min(math.floor(score / BAND_SPAN), 2) end
 local function score_of(band, start) return exact(band * BAND_SPAN + start) end
+-- A tenant's weight: its own, else the queue's default, else 1.
+local function weight_from(own, default) return tonumber(own or default or '1') end
 local function weight_of(tenancy, tenant)
   local weights = redis.call('HMGET', tenancy, 'weight:' .. tenant, 'default_weight')
-  return tonumber(weights[1] or weights[2] or '1')
+  return weight_from(weights[1], weights[2])
 end
 -- The start tag of the tenant's next job in the band; the job joins the tenant's flow there.
 local function join_flow(fair, band, tenant, weight)
