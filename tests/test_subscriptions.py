@@ -42,6 +42,15 @@ async def connections_named(redis: Redis, name: str) -> int:
     return sum(1 for client in await redis.client_list() if client.get("name") == name)
 
 
+async def pubsub_connections(redis: Redis, name: str) -> list[dict[str, str]]:
+    """CLIENT LIST's entries of the named client's pub/sub connections (flag P)."""
+    return [
+        client
+        for client in await redis.client_list()
+        if client.get("name") == name and client["flags"] == "P"
+    ]
+
+
 @pytest.fixture
 async def named_client(redis_server: RedisServer, queue: str) -> AsyncIterator[ChatClient]:
     """A client on a queue no worker serves, its connections named for CLIENT LIST."""
@@ -152,11 +161,7 @@ async def test_a_submit_cancelled_before_its_subscribe_went_out_leaves_no_subscr
     job = await first
     await asyncio.sleep(0.3)
     name = named_client.connection_name  # type: ignore[attr-defined]
-    subscribed = [
-        int(client["sub"])
-        for client in await redis.client_list()
-        if client.get("name") == name and client["flags"] == "P"
-    ]
+    subscribed = [int(client["sub"]) for client in await pubsub_connections(redis, name)]
     assert subscribed == [1], subscribed  # the first job's channel only
     assert await redis.zcard(named_client.settings.queue) == 1  # the second never enqueued
     await job.aclose()
@@ -214,11 +219,7 @@ async def test_a_dropped_pubsub_connection_loses_no_event(
         await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="a"))
     await asyncio.sleep(0.2)
     name = named_client.connection_name  # type: ignore[attr-defined]
-    (pubsub_id,) = [
-        client["id"]
-        for client in await redis.client_list()
-        if client.get("name") == name and client["flags"] == "P"  # P: a pub/sub connection
-    ]
+    (pubsub_id,) = [client["id"] for client in await pubsub_connections(redis, name)]
     assert await redis.client_kill_filter(_id=pubsub_id) == 1
     for job in jobs:  # published while the client is reconnecting: only the buffer has them
         await worker_side.append(DeltaEvent(job_id=job.job_id, seq=0, text="b"))
