@@ -21,6 +21,8 @@ import socket
 import statistics
 import time
 
+from hiredis import pack_command
+
 from edgeq.testing.processes import RedisServer
 
 ENQUEUE = """
@@ -41,14 +43,6 @@ QUEUE, WAKE, TOKENS = "floor:queue", "floor:wake", "floor:tokens"
 STOP = b"stop"
 
 
-def command(*parts: object) -> bytes:
-    packed = b"*%d\r\n" % len(parts)
-    for part in parts:
-        raw = part if isinstance(part, bytes) else str(part).encode()
-        packed += b"$%d\r\n%s\r\n" % (len(raw), raw)
-    return packed
-
-
 def connect(port: int) -> socket.socket:
     connection = socket.create_connection(("127.0.0.1", port))
     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -57,7 +51,7 @@ def connect(port: int) -> socket.socket:
 
 def subscribed(port: int, channel: str) -> socket.socket:
     connection = connect(port)
-    connection.sendall(command("SUBSCRIBE", channel))
+    connection.sendall(pack_command(("SUBSCRIBE", channel)))
     connection.recv(1024)  # the confirmation
     return connection
 
@@ -66,13 +60,13 @@ def worker(port: int, first_token_s: float) -> None:
     wakes, redis = subscribed(port, WAKE), connect(port)
     while True:
         wakes.recv(1024)
-        redis.sendall(command("EVAL", CLAIM, 1, QUEUE))
+        redis.sendall(pack_command(("EVAL", CLAIM, 1, QUEUE)))
         if STOP in redis.recv(65536):
             return
         began = time.perf_counter()
         time.sleep(first_token_s)
         generated = time.perf_counter() - began
-        redis.sendall(command("PUBLISH", TOKENS, f"{generated:.6f}"))
+        redis.sendall(pack_command(("PUBLISH", TOKENS, f"{generated:.6f}")))
         redis.recv(1024)
 
 
@@ -82,13 +76,13 @@ def client(port: int, chats: int, pause_s: float) -> list[float]:
     for chat in range(chats):
         time.sleep(pause_s)
         began = time.perf_counter()
-        redis.sendall(command("EVAL", ENQUEUE, 2, QUEUE, WAKE, chat, chat, "x" * 400))
+        redis.sendall(pack_command(("EVAL", ENQUEUE, 2, QUEUE, WAKE, chat, chat, "x" * 400)))
         redis.recv(1024)
         message = tokens.recv(1024)
         arrived = time.perf_counter()
         generated = float(message.split(b"\r\n")[-2])
         beyond_ms.append((arrived - began - generated) * 1000)
-    redis.sendall(command("EVAL", ENQUEUE, 2, QUEUE, WAKE, 0, "last", STOP))
+    redis.sendall(pack_command(("EVAL", ENQUEUE, 2, QUEUE, WAKE, 0, "last", STOP)))
     redis.recv(1024)
     return beyond_ms
 
