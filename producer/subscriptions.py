@@ -105,12 +105,12 @@ class StreamSubscriptions:
         channel = stream_channel(job_id).encode()
         if not self._forget(channel, queue) or channel in self._queues:
             return
-        if any(pending == channel for pending, _ in self._pending):
+        unsent = [sent for pending, sent in self._pending if pending == channel]
+        if unsent:
             # Its SUBSCRIBE was not written yet (a submit cancelled at once): it never will be,
             # rather than go out after an UNSUBSCRIBE and leave the channel subscribed.
-            for pending, sent in self._pending:
-                if pending == channel:
-                    sent.cancel()
+            for sent in unsent:
+                sent.cancel()
             self._pending = [(other, sent) for other, sent in self._pending if other != channel]
             return
         async with self._writing:
