@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +42,33 @@ def test_every_engine_thread_runs_engine_nice_steps_below_the_worker(
         # Every thread, also those vLLM started before its plugins loaded and those torch
         # started later; a process spawned by another engine process is not lowered twice.
         assert set(threads) == {worker_nice + steps}, (name, threads)
+
+
+def test_an_engines_sockets_get_a_directory_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm import envs
+
+    from edgeq.worker.engine import private_ipc_dir
+
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    with tempfile.TemporaryDirectory(prefix="edgeq-t") as short:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        with private_ipc_dir() as ipc_dir:
+            assert ipc_dir is not None and Path(ipc_dir).parent == Path(short)
+            assert envs.VLLM_RPC_BASE_PATH == ipc_dir  # what vLLM builds its socket paths from
+        assert "VLLM_RPC_BASE_PATH" not in os.environ  # set only while the engine is built
+        assert Path(ipc_dir).is_dir()  # left for the engine's shutdown to remove
+
+        # A path too long for a socket address: vLLM's default, and no directory made.
+        deep = Path(short, "d" * 80)
+        deep.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(deep))
+        with private_ipc_dir() as ipc_dir:
+            assert ipc_dir is None and "VLLM_RPC_BASE_PATH" not in os.environ
+        assert list(deep.iterdir()) == []
+
+    # The operator's own path wins.
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/elsewhere")
+    with private_ipc_dir() as ipc_dir:
+        assert ipc_dir is None and os.environ["VLLM_RPC_BASE_PATH"] == "/run/elsewhere"

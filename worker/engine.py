@@ -8,10 +8,14 @@ import asyncio
 import contextlib
 import inspect
 import os
+import shutil
+import tempfile
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import zmq
 
 from edgeq.core.errors import ConfigError
 from edgeq.core.protocol import ChatMessage, ChatRequest
@@ -51,7 +55,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ[ENABLE_ENV] = "1"
 os.environ[OWNER_ENV] = str(os.getpid())
 
-from vllm import AsyncEngineArgs, RequestOutput, SamplingParams  # noqa: E402
+from vllm import AsyncEngineArgs, RequestOutput, SamplingParams, envs  # noqa: E402
 from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
@@ -114,6 +118,37 @@ def describe_device(settings: WorkerSettings) -> str:
     return f"{' + '.join(names)} (CUDA_VISIBLE_DEVICES={visible})"
 
 
+@contextlib.contextmanager
+def private_ipc_dir() -> Iterator[str | None]:
+    """A directory of its own for the ZeroMQ sockets of the engine built inside the block.
+
+    vLLM names them in VLLM_RPC_BASE_PATH, the temp directory by default, and never removes
+    them: every engine start left seven socket files in /tmp. The directory is returned for the
+    engine's ``shutdown`` to remove. None, and vLLM left to its default, when the operator chose
+    a path, when a socket's path in the directory would be too long for a socket address, or
+    when vLLM already froze its settings in this process (it does once an engine runs in it)."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        yield None
+        return
+    ipc_dir = tempfile.mkdtemp(prefix="edgeq-engine-")
+    if len(f"{ipc_dir}/{uuid.uuid4()}") > zmq.IPC_PATH_MAX_LEN:
+        os.rmdir(ipc_dir)
+        yield None
+        return
+    os.environ["VLLM_RPC_BASE_PATH"] = ipc_dir
+    try:
+        if envs.VLLM_RPC_BASE_PATH != ipc_dir:
+            os.rmdir(ipc_dir)
+            yield None
+        else:
+            yield ipc_dir
+    except BaseException:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
+    finally:
+        del os.environ["VLLM_RPC_BASE_PATH"]
+
+
 class ChatEngine:
     """One AsyncLLM for the life of the worker, plus its tokenizer and the box's defaults."""
 
@@ -123,9 +158,11 @@ class ChatEngine:
         tokenizer: Any,
         settings: WorkerSettings,
         processes: Sequence[ProcessId] = (),
+        ipc_dir: str | None = None,
     ) -> None:
         self.llm = llm
         self._processes = list(processes)  # the engine's own VLLM:: processes
+        self._ipc_dir = ipc_dir  # its sockets' directory, removed once it stopped
         self.settings = settings
         self.max_model_len: int = llm.model_config.max_model_len
         self._by_priority = settings.engine_scheduling == "priority"
@@ -141,12 +178,13 @@ class ChatEngine:
         """Build the engine (blocking: model load and KV allocation happen in its processes)."""
         os.environ[NICE_ENV] = str(settings.engine_nice)  # read by the processes it spawns
         others = set(engine_pids(os.getpid(), own=True))  # engines this process already runs
-        llm = AsyncLLM.from_engine_args(engine_args(settings))
+        with private_ipc_dir() as ipc_dir:
+            llm = AsyncLLM.from_engine_args(engine_args(settings))
         processes = identify(pid for pid in engine_pids(os.getpid(), own=True) if pid not in others)
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM releases
             tokenizer = await tokenizer
-        return cls(llm, tokenizer, settings, processes)
+        return cls(llm, tokenizer, settings, processes, ipc_dir)
 
     async def warm_up(self) -> None:
         """One short generation, so the first real job does not pay for lazy initialisation."""
@@ -171,6 +209,8 @@ class ChatEngine:
         self._render_thread.shutdown(wait=False, cancel_futures=True)
         if left := wait_until_gone(self._processes, ENGINE_EXIT_WAIT_S):
             kill_and_wait(left, ENGINE_EXIT_WAIT_S)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def answer_reader(self, request: ChatRequest) -> AnswerReader:
         return AnswerReader(request, self._tokenizer)

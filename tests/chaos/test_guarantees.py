@@ -9,6 +9,7 @@ import os
 import pickle
 import signal
 import statistics
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
@@ -72,8 +73,8 @@ def acl_url(server: RedisServer) -> str:
     return f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{server.port}/0"
 
 
-def start_worker(tiny_model: Path, url: str, log_dir: Path, name: str) -> WorkerProcess:
-    [worker] = start_workers(tiny_model, url, log_dir, name)
+def start_worker(tiny_model: Path, url: str, log_dir: Path, name: str, **env: str) -> WorkerProcess:
+    [worker] = start_workers(tiny_model, url, log_dir, name, **env)
     return worker
 
 
@@ -95,10 +96,25 @@ async def first_delta(job) -> tuple[list[StreamEvent], AsyncIterator[StreamEvent
 # --- one worker lifecycle: drain, kill, restart, Redis restart -------------------------------
 
 
+def sockets_in(directory: Path) -> list[str]:
+    return [path.name for path in directory.rglob("*") if path.is_socket()]
+
+
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A temp directory for a worker (TMPDIR), short as a socket's path must fit in 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="edgeq-t") as directory:
+        yield Path(directory)
+
+
 async def test_sigterm_lets_twenty_running_chats_finish(
-    tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
+    tiny_model: Path,
+    auth_redis: RedisServer,
+    chaos_client: ChatClient,
+    tmp_path: Path,
+    scratch: Path,
 ) -> None:
-    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "drain")
+    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "drain", TMPDIR=str(scratch))
     # Freeze vLLM's engine processes, so the 20 chats are provably still running at SIGTERM
     # however fast or slow this machine is; they resume during the drain.
     engine = psutil.Process(worker.process.pid).children(recursive=True)
@@ -130,6 +146,8 @@ async def test_sigterm_lets_twenty_running_chats_finish(
     assert all(result.usage.completion_tokens > 0 for result in terminals)
     assert drained_s < DRAIN_TIMEOUT_S
     assert exit_code == 0, worker.tail()
+    # vLLM never removes its ZeroMQ sockets: the worker gave them a directory, gone with it.
+    assert sockets_in(scratch) == []
     drain = [e for e in worker.log_events() if "to be completed" in str(e.get("event"))]
     assert "20 to be completed" in drain[0]["event"]  # all 20 were running at the signal
     FIGURES["drain: 20 running chats finished after SIGTERM in (s)"] = round(drained_s, 2)
