@@ -498,12 +498,15 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
 async def test_cancel_during_generation_aborts_the_engine_request(
     client: ChatClient, worker: WorkerProcess
 ) -> None:
-    job = await client.submit("cancel me", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-    _, stream = await first_delta(job)
-    asked = time.monotonic()
-    assert await job.cancel()
-    rest = [event async for event in stream]
-    latency_ms = (time.monotonic() - asked) * 1000
+    # Slowed (helpers.slowed): on a loaded machine the whole answer could otherwise be
+    # generated before its first delta is streamed, leaving nothing running to cancel.
+    with slowed(worker):
+        job = await client.submit("cancel me", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+        _, stream = await first_delta(job)
+        asked = time.monotonic()
+        assert await job.cancel()
+        rest = [event async for event in stream]
+        latency_ms = (time.monotonic() - asked) * 1000
     assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "cancelled"
     assert not any(isinstance(e, DoneEvent) for e in rest)
     FIGURES["cancel -> terminal event (ms)"] = round(latency_ms, 1)
