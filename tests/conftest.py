@@ -15,6 +15,7 @@ import hashlib
 import os
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +32,14 @@ from helpers import FIGURES, engine_env, ready_worker
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGEQ_TEST_WHEELHOUSE", Path.home() / ".cache/edgeq-test-wheelhouse"))
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp directory for vLLM's sockets (TMPDIR or VLLM_RPC_BASE_PATH) with a path short
+    enough for them: tmp_path's can leave a socket's path over its 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="edgeq-t") as directory:
+        yield Path(directory)
 
 
 @pytest.fixture

@@ -325,7 +325,7 @@ def processes_in_group(pgid: int) -> list[psutil.Process]:
 
 @pytest.mark.engine
 def test_real_engine_samples_text_without_replacement_characters(
-    built: TinyModelInfo, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+    built: TinyModelInfo, tokenizer: PreTrainedTokenizerBase, tmp_path: Path, short_tmp: Path
 ) -> None:
     """Starting a vLLM engine costs ~30 s on two cores (~55 s on a busy machine)."""
     script = tmp_path / "sample.py"
@@ -334,6 +334,7 @@ def test_real_engine_samples_text_without_replacement_characters(
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_RPC_BASE_PATH": str(short_tmp),  # vLLM never removes its sockets
     }
     child = subprocess.Popen(
         [sys.executable, str(script), str(built.directory)],

@@ -9,7 +9,6 @@ import os
 import pickle
 import signal
 import statistics
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
@@ -100,21 +99,14 @@ def sockets_in(directory: Path) -> list[str]:
     return [path.name for path in directory.rglob("*") if path.is_socket()]
 
 
-@pytest.fixture
-def scratch() -> Iterator[Path]:
-    """A temp directory for a worker (TMPDIR), short as a socket's path must fit in 107 bytes."""
-    with tempfile.TemporaryDirectory(prefix="edgeq-t") as directory:
-        yield Path(directory)
-
-
 async def test_sigterm_lets_twenty_running_chats_finish(
     tiny_model: Path,
     auth_redis: RedisServer,
     chaos_client: ChatClient,
     tmp_path: Path,
-    scratch: Path,
+    short_tmp: Path,
 ) -> None:
-    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "drain", TMPDIR=str(scratch))
+    worker = start_worker(tiny_model, acl_url(auth_redis), tmp_path, "drain", TMPDIR=str(short_tmp))
     # Freeze vLLM's engine processes, so the 20 chats are provably still running at SIGTERM
     # however fast or slow this machine is; they resume during the drain.
     engine = psutil.Process(worker.process.pid).children(recursive=True)
@@ -147,7 +139,7 @@ async def test_sigterm_lets_twenty_running_chats_finish(
     assert drained_s < DRAIN_TIMEOUT_S
     assert exit_code == 0, worker.tail()
     # vLLM never removes its ZeroMQ sockets: the worker gave them a directory, gone with it.
-    assert sockets_in(scratch) == []
+    assert sockets_in(short_tmp) == []
     drain = [e for e in worker.log_events() if "to be completed" in str(e.get("event"))]
     assert "20 to be completed" in drain[0]["event"]  # all 20 were running at the signal
     FIGURES["drain: 20 running chats finished after SIGTERM in (s)"] = round(drained_s, 2)
