@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -54,8 +55,18 @@ def test_an_engines_sockets_get_a_directory_of_their_own(
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
     with tempfile.TemporaryDirectory(prefix="edgeq-t") as short:
         monkeypatch.setattr(tempfile, "tempdir", short)
+        # A worker killed before its engine's shutdown left its directory; a live one's stays.
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        dead = Path(short, f"edgeq-engine-{gone.pid}-abc123")
+        alive = Path(short, f"edgeq-engine-{os.getpid()}-def456")
+        for left in (dead, alive):
+            left.mkdir()
+            (left / "socket").touch()
         with private_ipc_dir() as ipc_dir:
             assert ipc_dir is not None and Path(ipc_dir).parent == Path(short)
+            assert Path(ipc_dir).name.startswith(f"edgeq-engine-{os.getpid()}-")
+            assert not dead.exists() and alive.exists()
             assert envs.VLLM_RPC_BASE_PATH == ipc_dir  # what vLLM builds its socket paths from
         assert "VLLM_RPC_BASE_PATH" not in os.environ  # set only while the engine is built
         assert Path(ipc_dir).is_dir()  # left for the engine's shutdown to remove

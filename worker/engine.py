@@ -13,6 +13,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -38,6 +39,9 @@ BANNED_LOGIT_BIAS = -100.0
 
 # The CPU attention kernel works on blocks that are a multiple of this many tokens.
 CPU_BLOCK_MULTIPLE = 32
+
+# The directory of an engine's sockets: this prefix, the worker's pid, a random part.
+IPC_DIR_PREFIX = "edgeq-engine-"
 
 # Stopping: how long vLLM's engine processes get to exit on SIGTERM before vLLM kills them
 # (vLLM's own default is 5 s, too short for a process holding gigabytes on a busy machine),
@@ -118,19 +122,32 @@ def describe_device(settings: WorkerSettings) -> str:
     return f"{' + '.join(names)} (CUDA_VISIBLE_DEVICES={visible})"
 
 
+def remove_dead_workers_ipc_dirs(parent: str) -> None:
+    """Remove the socket directories (``private_ipc_dir``) of this user's workers that are
+    gone: a worker killed with SIGKILL never got to its engine's ``shutdown``."""
+    for directory in Path(parent).glob(f"{IPC_DIR_PREFIX}*-*"):
+        pid = directory.name.removeprefix(IPC_DIR_PREFIX).split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                if directory.stat().st_uid == os.getuid():
+                    shutil.rmtree(directory)
+
+
 @contextlib.contextmanager
 def private_ipc_dir() -> Iterator[str | None]:
     """A directory of its own for the ZeroMQ sockets of the engine built inside the block.
 
     vLLM names them in VLLM_RPC_BASE_PATH, the temp directory by default, and never removes
     them: every engine start left seven socket files in /tmp. The directory is returned for the
-    engine's ``shutdown`` to remove. None, and vLLM left to its default, when the operator chose
-    a path, when a socket's path in the directory would be too long for a socket address, or
-    when vLLM already froze its settings in this process (it does once an engine runs in it)."""
+    engine's ``shutdown`` to remove; those of workers killed before that go at the next start.
+    None, and vLLM left to its default, when the operator chose a path, when a socket's path
+    in the directory would be too long for a socket address, or when vLLM already froze its
+    settings in this process (it does once an engine runs in it)."""
     if "VLLM_RPC_BASE_PATH" in os.environ:
         yield None
         return
-    ipc_dir = tempfile.mkdtemp(prefix="edgeq-engine-")
+    remove_dead_workers_ipc_dirs(tempfile.gettempdir())
+    ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_DIR_PREFIX}{os.getpid()}-")
     if len(f"{ipc_dir}/{uuid.uuid4()}") > zmq.IPC_PATH_MAX_LEN:
         os.rmdir(ipc_dir)
         yield None
