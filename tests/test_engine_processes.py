@@ -46,38 +46,37 @@ def test_every_engine_thread_runs_engine_nice_steps_below_the_worker(
 
 
 def test_an_engines_sockets_get_a_directory_of_their_own(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, short_tmp: Path
 ) -> None:
     from vllm import envs
 
     from edgeq.worker.engine import private_ipc_dir
 
     monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
-    with tempfile.TemporaryDirectory(prefix="edgeq-t") as short:
-        monkeypatch.setattr(tempfile, "tempdir", short)
-        # A worker killed before its engine's shutdown left its directory; a live one's stays.
-        gone = subprocess.Popen(["true"])
-        gone.wait()
-        dead = Path(short, f"edgeq-engine-{gone.pid}-abc123")
-        alive = Path(short, f"edgeq-engine-{os.getpid()}-def456")
-        for left in (dead, alive):
-            left.mkdir()
-            (left / "socket").touch()
-        with private_ipc_dir() as ipc_dir:
-            assert ipc_dir is not None and Path(ipc_dir).parent == Path(short)
-            assert Path(ipc_dir).name.startswith(f"edgeq-engine-{os.getpid()}-")
-            assert not dead.exists() and alive.exists()
-            assert envs.VLLM_RPC_BASE_PATH == ipc_dir  # what vLLM builds its socket paths from
-        assert "VLLM_RPC_BASE_PATH" not in os.environ  # set only while the engine is built
-        assert Path(ipc_dir).is_dir()  # left for the engine's shutdown to remove
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
+    # A worker killed before its engine's shutdown left its directory; a live one's stays.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = short_tmp / f"edgeq-engine-{gone.pid}-abc123"
+    alive = short_tmp / f"edgeq-engine-{os.getpid()}-def456"
+    for left in (dead, alive):
+        left.mkdir()
+        (left / "socket").touch()
+    with private_ipc_dir() as ipc_dir:
+        assert ipc_dir is not None and Path(ipc_dir).parent == short_tmp
+        assert Path(ipc_dir).name.startswith(f"edgeq-engine-{os.getpid()}-")
+        assert not dead.exists() and alive.exists()
+        assert envs.VLLM_RPC_BASE_PATH == ipc_dir  # what vLLM builds its socket paths from
+    assert "VLLM_RPC_BASE_PATH" not in os.environ  # set only while the engine is built
+    assert Path(ipc_dir).is_dir()  # left for the engine's shutdown to remove
 
-        # A path too long for a socket address: vLLM's default, and no directory made.
-        deep = Path(short, "d" * 80)
-        deep.mkdir()
-        monkeypatch.setattr(tempfile, "tempdir", str(deep))
-        with private_ipc_dir() as ipc_dir:
-            assert ipc_dir is None and "VLLM_RPC_BASE_PATH" not in os.environ
-        assert list(deep.iterdir()) == []
+    # A path too long for a socket address: vLLM's default, and no directory made.
+    deep = short_tmp / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with private_ipc_dir() as ipc_dir:
+        assert ipc_dir is None and "VLLM_RPC_BASE_PATH" not in os.environ
+    assert list(deep.iterdir()) == []
 
     # The operator's own path wins.
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/run/elsewhere")
