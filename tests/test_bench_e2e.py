@@ -111,11 +111,11 @@ def assert_requests_match_the_workload(requests: list[dict[str, Any]], workload:
 
 
 def test_a_bench_ended_by_sigterm_stops_the_worker_and_redis_it_started(
-    tiny_model: Path, cli_env: dict[str, str]
+    tiny_model: Path, cli_env: dict[str, str], short_tmp: Path
 ) -> None:
     bench = subprocess.Popen(
         [*EDGEQ, "bench", "--start-worker", "--model", str(tiny_model), "--users", "1"],
-        env=cli_env,
+        env=cli_env | {"TMPDIR": str(short_tmp)},  # its worker's log dir: gone with the test
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -161,7 +161,7 @@ def test_capacity_reports_redis_figures_for_a_simulated_box(tmp_path: Path) -> N
 
 
 def test_bench_on_a_simulated_gpu_runs_the_queue_and_direct_modes_at_its_rate(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, short_tmp: Path
 ) -> None:
     out, max_tokens = tmp_path / "report.json", 6
     run = subprocess.run(
@@ -172,7 +172,8 @@ def test_bench_on_a_simulated_gpu_runs_the_queue_and_direct_modes_at_its_rate(
             *("--prefill-ms", "25", "--model", str(tiny_model), "--users", "4"),
             *("--num-prompts", "8", "--max-tokens", str(max_tokens), "--out", str(out)),
         ],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        # TMPDIR: the bench keeps its worker's log there, for the reader; gone with the test.
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(short_tmp)},
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,

@@ -168,13 +168,16 @@ def test_sweep_configs_and_the_parser() -> None:
 # --- a real sweep ---------------------------------------------------------------------------
 
 
-def test_a_tiny_sweep_writes_the_winner_and_a_plot(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_tiny_sweep_writes_the_winner_and_a_plot(
+    tiny_model: Path, tmp_path: Path, short_tmp: Path
+) -> None:
     out, plot = tmp_path / "tuned.env", tmp_path / "tune.png"
     env = {name: value for name, value in os.environ.items() if not name.startswith("EDGEQ_")}
     env |= {
         "HF_HUB_OFFLINE": "1",
         "EDGEQ_CPU_KV_CACHE_GIB": "1",
         "EDGEQ_MAX_MODEL_LEN": str(TEST_MAX_MODEL_LEN),
+        "TMPDIR": str(short_tmp),  # where tune keeps its workers' logs: gone with the test
     }
     completed = subprocess.run(
         [
