@@ -128,7 +128,7 @@ def remove_dead_workers_ipc_dirs(parent: str) -> None:
     for directory in Path(parent).glob(f"{IPC_DIR_PREFIX}*-*"):
         pid = directory.name.removeprefix(IPC_DIR_PREFIX).split("-", 1)[0]
         with contextlib.suppress(OSError):
-            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            if pid.isdigit() and not identify([int(pid)]):  # no process with that pid
                 if directory.stat().st_uid == os.getuid():
                     shutil.rmtree(directory)
 
