@@ -121,7 +121,8 @@ def _copy_asset(asset: Traversable, target: Path) -> None:
 def source_checkout() -> Path | None:
     """The source tree this edgeq runs from (an editable install), or None (a wheel)."""
     root = Path(__file__).resolve().parents[1]
-    return root if (root / "pyproject.toml").is_file() and (root / "edgeq").is_dir() else None
+    checkout = (root / "pyproject.toml").is_file() and (root / "src" / "edgeq").is_dir()
+    return root if checkout else None
 
 
 def build_edgeq_wheel(dest: Path, *, source: Path, version_suffix: str = "") -> Path:

@@ -1,5 +1,5 @@
 """Who goes first, measured: what the claim costs at long queues, the shares tenants get from a
-real worker, and interactive TTFT on a box busy with batch work (edgeq/core/scheduling.py).
+real worker, and interactive TTFT on a box busy with batch work (src/edgeq/core/scheduling.py).
 
     .venv/bin/python scripts/measure_priority.py claim --sizes 100,100000 --rounds 3
     .venv/bin/python scripts/measure_priority.py fairness --backlog 500 --seconds 60

@@ -420,7 +420,7 @@ async def queued_as(
     assert isinstance(terminal, ErrorEvent) and terminal.code == "cancelled"
     assert tenant is not None and score is not None and raw is not None
     (payload,) = json.loads(raw)["a"]
-    # The entry is "<band it was enqueued in>:<tenant>" (edgeq/core/scheduling.py).
+    # The entry is "<band it was enqueued in>:<tenant>" (src/edgeq/core/scheduling.py).
     born, _, tenant_name = tenant.decode().partition(":")
     assert int(born) == int(score // BAND_SPAN)
     return tenant_name, int(score // BAND_SPAN), payload

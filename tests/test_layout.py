@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 # package-dir, and edgeq's own subpackages inside edgeq/.
 _FOLDERS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 PARTS = {
-    "edgeq.core": REPO / "edgeq" / "core",
-    "edgeq.testing": REPO / "edgeq" / "testing",
+    "edgeq.core": REPO / "src" / "edgeq" / "core",
+    "edgeq.testing": REPO / "src" / "edgeq" / "testing",
     **{name: REPO / folder for name, folder in _FOLDERS.items() if name.count(".") == 1},
 }
 FORBIDDEN = {
