@@ -84,7 +84,7 @@ from edgeq.producer.client import ChatClient
 from edgeq.producer.queue import Enqueued, JobQueue
 from edgeq.testing.processes import RedisServer, WorkerProcess, tiny_model_env
 from edgeq.testing.tiny_model import make_tiny_model
-from edgeq.worker.pickup import claim_due_jobs
+from edgeq.worker.claim import claim_due_jobs
 
 QUEUE = "edgeq:measure-priority"
 LONG_DEADLINE_S = 3600.0  # backlogs wait long; they must not expire

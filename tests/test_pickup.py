@@ -22,7 +22,8 @@ from edgeq.core.protocol import JOB_FUNCTION, dump_json, load_json
 from edgeq.core.settings import ConnectionSettings
 from edgeq.producer.queue import Enqueued, JobQueue
 from edgeq.testing.processes import RedisServer
-from edgeq.worker.pickup import START_COUNT_TTL_S, FastPickupWorker, claim_due_jobs
+from edgeq.worker.claim import START_COUNT_TTL_S, claim_due_jobs
+from edgeq.worker.pickup import FastPickupWorker
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000

@@ -24,7 +24,7 @@ from edgeq.core.scheduling import (
     read_tenancy,
 )
 from edgeq.producer.queue import Enqueued, JobQueue
-from edgeq.worker.pickup import claim_due_jobs
+from edgeq.worker.claim import claim_due_jobs
 
 REQUEST = {"messages": [{"role": "user", "content": "hi"}]}
 
