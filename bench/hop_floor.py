@@ -1,7 +1,7 @@
 """The floor under one chat's trip through the queue on this machine: the same Redis hops as
 edgeq's, made with raw sockets and nothing else.
 
-    .venv/bin/python scripts/measure_hop_floor.py [--chats 60] [--rounds 3] [--pause-ms 450]
+    .venv/bin/python -m edgeq.bench.hop_floor [--chats 60] [--rounds 3] [--pause-ms 450]
 
 A private Redis; a "worker" process that listens on a wake channel, claims with a script,
 "generates" for ``--first-token-ms`` (a sleep, as `edgeq bench --simulate-gpu`'s first token
@@ -10,7 +10,8 @@ publishes the wake) and waits for that token on its own pub/sub connection. Betw
 client pauses ``--pause-ms`` (a 16-token chat's stream on the simulated GPU), so every process
 is idle when the next chat starts, as in `edgeq bench --users 1`. Prints, per round, the time
 from the enqueue to the token beyond the worker's own sleep: median [p10-p90]. What edgeq adds
-to a chat's TTFT over the engine's own, less this, is its software.
+to a chat's TTFT over the engine's own, less this, is its software. docs/benchmarks.md states
+its figure; tests/test_bench_hop_floor.py runs it briefly.
 """
 
 from __future__ import annotations
@@ -101,27 +102,38 @@ def one_round(port: int, chats: int, pause_s: float, first_token_s: float) -> li
         os.waitpid(pid, 0)
 
 
-def main() -> None:
+def measure(
+    port: int, *, chats: int, rounds: int, pause_s: float, first_token_s: float
+) -> list[list[float]]:
+    """Each round's chats, ms from the enqueue to the token beyond the worker's sleep, sorted."""
+    return [sorted(one_round(port, chats, pause_s, first_token_s)) for _ in range(rounds)]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chats", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pause-ms", type=float, default=450.0)
     parser.add_argument("--first-token-ms", type=float, default=30.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     server = RedisServer().start()
     try:
-        for number in range(1, args.rounds + 1):
-            beyond = sorted(
-                one_round(server.port, args.chats, args.pause_ms / 1000, args.first_token_ms / 1000)
-            )
-            tenth = len(beyond) // 10
-            print(
-                f"round {number}: enqueue -> first token, beyond the worker's "
-                f"{args.first_token_ms:g} ms: median {statistics.median(beyond):.3f} ms "
-                f"[{beyond[tenth]:.3f}-{beyond[-tenth - 1]:.3f}] over {len(beyond)} chats"
-            )
+        rounds = measure(
+            server.port,
+            chats=args.chats,
+            rounds=args.rounds,
+            pause_s=args.pause_ms / 1000,
+            first_token_s=args.first_token_ms / 1000,
+        )
     finally:
         server.stop()
+    for number, beyond in enumerate(rounds, 1):
+        tenth = len(beyond) // 10
+        print(
+            f"round {number}: enqueue -> first token, beyond the worker's "
+            f"{args.first_token_ms:g} ms: median {statistics.median(beyond):.3f} ms "
+            f"[{beyond[tenth]:.3f}-{beyond[-tenth - 1]:.3f}] over {len(beyond)} chats"
+        )
 
 
 if __name__ == "__main__":
