@@ -74,6 +74,10 @@ def parse_float_list(text: str) -> list[float]:
 
 
 def run_capacity_command(args: argparse.Namespace) -> int:
+    if args.redis_ceiling:
+        from edgeq.bench.redis_ceiling import run_redis_ceiling_command
+
+        return run_redis_ceiling_command(args)
     from edgeq.bench.capacity import run_capacity_command as run
 
     return run(args)
@@ -135,6 +139,18 @@ def _register_capacity(commands: argparse._SubParsersAction) -> None:
     capacity.add_argument("--rounds", type=int, default=1, help="alternating rounds (default: 1)")
     capacity.add_argument("--out", type=Path, help="write every round's figures here (JSON)")
     capacity.add_argument("--logs", type=Path, help="keep the boxes' logs here")
+    capacity.add_argument(
+        "--redis-ceiling",
+        action="store_true",
+        help="no boxes: drive the publish script from C (redis-benchmark) to find what one "
+        "Redis core takes",
+    )
+    capacity.add_argument(
+        "--events",
+        type=int,
+        default=400_000,
+        help="with --redis-ceiling: events per mode and round (default: 400000)",
+    )
     capacity.set_defaults(handler=run_capacity_command)
 
     box = commands.add_parser(
