@@ -34,6 +34,8 @@ PACKAGE_DATA = (
     "edgeq/deploy/units/edgeq-worker@.service",
     "edgeq/deploy/units/edgeq-gateway.service",
     "edgeq/deploy/units/edgeq.target",
+    # The Redis scripts (core/scripts.py reads them from the installed package).
+    *(f"edgeq/core/lua/{lua.name}" for lua in sorted((REPO / "src/edgeq/core/lua").glob("*.lua"))),
 )
 
 

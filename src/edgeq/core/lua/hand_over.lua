@@ -1,0 +1,26 @@
+-- Take a run-out lease and make its job claimable again, or say why it cannot be
+-- (core/leases.py hand_over; needs clock.lua).
+--
+-- A lease can only run out while Redis is up: nobody can renew one while Redis is away, and
+-- Redis's clock goes on meanwhile. So until Redis has been up for one lease TTL (whole seconds
+-- of INFO's uptime, rounded down: never early), no lease counts as run out; a live worker
+-- renews its leases within a quarter TTL of Redis coming back, however long Redis was away.
+--
+-- KEYS: the queue's leases, the queue, the job's in-progress, payload, terminal and start-count
+-- keys; ARGV: job id, continuations allowed, how long the payload waits for a taker (ms), the
+-- queue's wake channel, the lease TTL (ms). Returns a Handover.
+local now = redis_now_ms()
+local leased_until = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not leased_until or tonumber(leased_until) >= now then return 0 end
+local up_s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+if up_s * 1000 < tonumber(ARGV[5]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
+if tonumber(redis.call('GET', KEYS[6]) or '1') > tonumber(ARGV[2]) then return 2 end
+if redis.call('EXISTS', KEYS[4]) == 0 or not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
+  return 3
+end
+redis.call('DEL', KEYS[3])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+redis.call('PUBLISH', ARGV[4], '')
+return 1
