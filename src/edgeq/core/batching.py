@@ -34,9 +34,18 @@ from hiredis import pack_command
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, ResponseError
 
+from edgeq.core.scripts import lua_file
+
 Call = tuple[Sequence[str], Sequence[bytes | str | int]]  # keys, args
 # A call waiting for its batch: the call, its caller's future, what it must wait for.
 _Queued = tuple[Call, "asyncio.Future[Any]", "asyncio.Future[Any] | None"]
+
+
+# A batched script's body becomes the function ``call`` that lua/batched.lua runs once per
+# call: these two lines around it are all the Lua written here (a .lua file cannot hold half a
+# function, and Redis has no other way to run one script's text inside another).
+_CALL_HEAD = "local batch = {}\nlocal function call(KEYS, ARGV)\n"
+_CALL_TAIL = "\nend\n"
 
 
 def combined(source: str) -> str:
@@ -45,22 +54,7 @@ def combined(source: str) -> str:
     call that raises replies with its error and the next call runs, as separate scripts
     would; a call that returns nothing replies nil (false), so the replies keep their places.
     ``source`` may keep what the calls of one batch share in the table ``batch``."""
-    return f"""
-local batch = {{}}
-local function call(KEYS, ARGV)
-{source}
-end
-local calls = tonumber(ARGV[1])
-local replies, k, a = {{}}, 0, 1 + 2 * calls
-for i = 1, calls do
-  local nk, na = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
-  local ok, reply = pcall(call, {{unpack(KEYS, k + 1, k + nk)}}, {{unpack(ARGV, a + 1, a + na)}})
-  if not ok and type(reply) ~= 'table' then reply = redis.error_reply(tostring(reply)) end
-  replies[i] = reply or false
-  k, a = k + nk, a + na
-end
-return replies
-"""
+    return _CALL_HEAD + source + _CALL_TAIL + lua_file("batched")
 
 
 class BatchedScript:

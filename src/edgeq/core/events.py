@@ -26,49 +26,14 @@ from edgeq.core.batching import BatchedScript
 from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import events_key, outcomes_key, stream_channel, terminal_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
+from edgeq.core.scripts import lua_script
 
 # The JSON of an event is split around its seq, which the script writes: every event's JSON
 # has its seq third (after type and job_id) and at least one field after it.
 _SEQ_FIELD = b'"seq":%d,'
 
-# ARGV: the event's JSON before and after its seq, terminal flag, TTL (ms), the seq the writer
-# wants (-1: the next one), then for a counted terminal event its outcome, retention (s) and
-# the job's tenant ('': not known), whose outcomes are counted too, as tenant:<name>:<outcome>.
-# A wanted seq makes a retry idempotent: the same event already at that seq (its reply was
-# lost) is reported again, not appended twice; another event there means another run of the
-# job took the stream ({-3, 0}: a worker thought dead was not); a seq past the end (Redis lost
-# events: a restart without persistence, a failover) is answered {-2, length} so the writer
-# resends.
-_PUBLISH = """
-local length = redis.call('XLEN', KEYS[1])
-local wanted = tonumber(ARGV[5])
-if wanted >= 0 and wanted < length then
-  local kept = redis.call('XRANGE', KEYS[1], wanted .. '-1', wanted .. '-1')[1]
-  if kept and kept[2][2] == ARGV[1] .. '"seq":' .. wanted .. ',' .. ARGV[2] then
-    return {wanted, 0}
-  end
-  if redis.call('EXISTS', KEYS[2]) == 1 then return {-1, 0} end
-  return {-3, 0}
-end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {-1, 0} end
-if wanted > length then return {-2, length} end
-local seq = length
-local event = ARGV[1] .. '"seq":' .. seq .. ',' .. ARGV[2]
-redis.call('XADD', KEYS[1], seq .. '-1', 'event', event)
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if ARGV[3] == '1' then
-  redis.call('SET', KEYS[2], seq, 'PX', ARGV[4])
-  if #KEYS > 3 then
-    redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
-    if ARGV[8] ~= '' then
-      redis.call('HINCRBY', KEYS[4], 'tenant:' .. ARGV[8] .. ':' .. ARGV[6], 1)
-    end
-    redis.call('EXPIRE', KEYS[4], ARGV[7])
-  end
-end
-local listeners = redis.call('PUBLISH', KEYS[3], event)
-return {seq, listeners}
-"""
+# KEYS, ARGV and replies: lua/publish_event.lua.
+_PUBLISH = lua_script("publish_event")
 
 AnyEvent = DeltaEvent | DoneEvent | ErrorEvent
 

@@ -27,60 +27,11 @@ from edgeq.core.keys import (
     wake_channel,
 )
 from edgeq.core.protocol import ErrorEvent
+from edgeq.core.scripts import lua_script
 
-# Expiry = Redis's clock when the renewal lands + the TTL, not the worker's clock when it sent
-# it: a renewal held up in a stalled event loop (seen for 14 s on a 2-core box running two
-# engines) must not arrive already expired and get a live job declared lost. One clock for
-# every lease decision also keeps clock skew between boxes out of it.
-
-
-def lease_expiry_lua(ttl_ms: str) -> str:
-    """A Lua line setting ``expiry``: Redis's clock (Unix ms) + ``ttl_ms`` (a Lua expression),
-    for every script that writes a lease (renewal here, the worker's claim)."""
-    return (
-        "local clock = redis.call('TIME')\n"
-        "local expiry = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)"
-        f" + tonumber({ttl_ms})\n"
-    )
-
-
-_RENEW = (
-    lease_expiry_lua("ARGV[1]")
-    + """
-for i = 2, #ARGV do
-  redis.call('ZADD', KEYS[1], expiry, ARGV[i])
-end
-"""
-)
-
-
-# A lease can only run out while Redis is up: nobody can renew one while Redis is away, and
-# Redis's clock goes on meanwhile. So until Redis has been up for one lease TTL (whole seconds
-# of INFO's uptime, rounded down: never early), no lease counts as run out; a live worker
-# renews its leases within a quarter TTL of Redis coming back, however long Redis was away.
-#
-# KEYS: the queue's leases, the queue, the job's in-progress, payload, terminal and start-count
-# keys; ARGV: job id, continuations allowed, how long the payload waits for a taker (ms), the
-# queue's wake channel, the lease TTL (ms). Returns a Handover.
-_HAND_OVER = (
-    lease_expiry_lua("0")
-    + """
-local leased_until = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not leased_until or tonumber(leased_until) >= expiry then return 0 end
-local up_s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
-if up_s * 1000 < tonumber(ARGV[5]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
-if tonumber(redis.call('GET', KEYS[6]) or '1') > tonumber(ARGV[2]) then return 2 end
-if redis.call('EXISTS', KEYS[4]) == 0 or not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
-  return 3
-end
-redis.call('DEL', KEYS[3])
-redis.call('PEXPIRE', KEYS[4], ARGV[3])
-redis.call('PUBLISH', ARGV[4], '')
-return 1
-"""
-)
+# The lease scripts (Redis's clock, not the worker's, decides every lease: lua/clock.lua).
+_RENEW = lua_script("clock", "renew_leases")
+_HAND_OVER = lua_script("clock", "hand_over")
 
 
 class Handover(IntEnum):
