@@ -27,72 +27,13 @@ from edgeq.core.keys import (
     wake_channel,
 )
 from edgeq.core.protocol import JOB_FUNCTION, ErrorEvent, dump_json
-from edgeq.core.scheduling import FAIR_QUEUING_LUA, Priority, band_of
+from edgeq.core.scheduling import Priority, band_of
+from edgeq.core.scripts import lua_script
 
-# KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
-# queued-by-tenant, aging and tenancy keys (core/scheduling.py); ARGV: the payload, its TTL
-# (ms), the queue's limit, the job id, the wake channel, the band, the tenant. Returns
-# {Enqueued, the tenant's cap when it is TENANT_FULL}. Runs in a BatchedScript only (it wakes
-# the workers once per batch).
-_ENQUEUE = (
-    FAIR_QUEUING_LUA
-    + """
--- What the calls of one batch read alike is read once per batch: each redis.call costs a
--- script ~3 us (docs/benchmarks.md). The queue's depth is counted on from there.
-local function per_batch(key, read)
-  if batch[key] == nil then batch[key] = read() end
-  return batch[key]
-end
-local limit = tonumber(ARGV[3])
-local depth_key = 'depth:' .. KEYS[1]
-local function depth() return redis.call('ZCARD', KEYS[1]) end
-if limit > 0 and per_batch(depth_key, depth) >= limit then return {0} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {-1} end
-local band, tenant = tonumber(ARGV[6]), ARGV[7]
-local rules = per_batch('tenant:' .. KEYS[7] .. ':' .. tenant, function()
-  return redis.call('HMGET', KEYS[7], 'max_queued:' .. tenant, 'weight:' .. tenant,
-    'default_weight', 'aging_ms')
-end)
-local cap = tonumber(rules[1] or '0')
-if cap > 0 and tonumber(redis.call('HGET', KEYS[5], tenant) or '0') >= cap then
-  return {-2, cap}
-end
-local start = join_flow(KEYS[3], band, tenant, weight_from(rules[2], rules[3]))
-redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[1], score_of(band, start), ARGV[4])
-redis.call('HSET', KEYS[4], ARGV[4], band .. ':' .. tenant)
-redis.call('HINCRBY', KEYS[5], tenant, 1)
-if batch[depth_key] then batch[depth_key] = batch[depth_key] + 1 end
-local aging_ms = tonumber(rules[4] or '0')
-if band > 0 and aging_ms > 0 then
-  local clock = redis.call('TIME')
-  local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-  redis.call('ZADD', KEYS[6], now_ms + aging_ms, ARGV[4])
-end
--- One wake per batch (core/batching.py) is enough: the claim it starts takes them all.
-if not batch[ARGV[5]] then
-  redis.call('PUBLISH', ARGV[5], '')
-  batch[ARGV[5]] = true
-end
-return {1}
-"""
-)
-
-# Take a job out of the queue, and out of its tenant's counts and flow if it was still
-# queued. KEYS: the queue, the payload, then the fair, tenant-of, queued-by-tenant and aging
-# keys; ARGV: the job id.
-_DEQUEUE = (
-    FAIR_QUEUING_LUA
-    + """
-local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or nil)
-local tenant = queued_entry(KEYS[4], ARGV[1])
-if score and tenant then
-  dequeued(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[1], band_of_score(score), tenant)
-end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[2])
-"""
-)
+# KEYS and ARGV: lua/enqueue.lua (it runs in a BatchedScript only: it wakes the workers once
+# per batch) and lua/dequeue.lua; both use the fair-queuing functions (core/scheduling.py).
+_ENQUEUE = lua_script("fair_queuing", "enqueue")
+_DEQUEUE = lua_script("fair_queuing", "dequeue")
 
 
 class Enqueued(IntEnum):

@@ -1,6 +1,6 @@
 """Who goes first: priority classes, tenants and their weights, and the queue's score.
 
-arq's queue is a sorted set, and workers take the lowest scores first (worker/pickup.py).
+arq's queue is a sorted set, and workers take the lowest scores first (worker/claim.py).
 edgeq gives each job a score that puts it in the right place at enqueue, so claiming stays
 one atomic step over the set's lowest scores, O(log n) in the queue's length:
 
@@ -46,7 +46,8 @@ DEFAULT_TENANT = "default"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 #: Width of one band of scores. Three bands end below 1.5e12, under any Unix-ms "now" arq's
 #: pickup compares scores with; a tag moves on by 1/weight per job, so a band holds 5e11
-#: jobs at weight 1 before it would reach the next.
+#: jobs at weight 1 before it would reach the next. The scripts' side of all this,
+#: lua/fair_queuing.lua, holds the same number (tests/test_lua.py checks that they agree).
 BAND_SPAN = 500_000_000_000
 
 
@@ -114,58 +115,3 @@ async def queued_by_tenant(redis: Redis, queue: str) -> dict[str, int]:
     return {
         tenant.decode(): int(count) for tenant, count in sorted(counts.items()) if int(count) > 0
     }
-
-
-# --- Lua shared by the enqueue and cancel (producer/queue.py) and the claim (worker/pickup.py)
-#
-# A queued job's entry in tenant-of is "<band it was enqueued in>:<tenant>": the tenant for the
-# counts and flows, and whether it was born batch (it keeps off the reserved slots after
-# aging has moved it up). Each flow (band, tenant) counts its queued jobs; a flow with none
-# starts its next job at the band's clock, whatever its old tag (a tenant that cancelled its
-# backlog, or had it all claimed, owes nothing), and its fields are dropped, so the hash holds
-# only the flows with work queued. Scores and tags are written with %.17g: Lua's own
-# number-to-string keeps only 14 digits, which would merge a weight-3 tenant's tags in the
-# batch band.
-FAIR_QUEUING_LUA = f"""
-local BAND_SPAN = {BAND_SPAN}
-local function exact(number) return string.format('%.17g', number) end
-local function band_of_score(score) return math.min(math.floor(score / BAND_SPAN), 2) end
-local function score_of(band, start) return exact(band * BAND_SPAN + start) end
--- A tenant's weight: its own, else the queue's default, else 1.
-local function weight_from(own, default) return tonumber(own or default or '1') end
-local function weight_of(tenancy, tenant)
-  local weights = redis.call('HMGET', tenancy, 'weight:' .. tenant, 'default_weight')
-  return weight_from(weights[1], weights[2])
-end
--- The start tag of the tenant's next job in the band; the job joins the tenant's flow there.
-local function join_flow(fair, band, tenant, weight)
-  local flow = band .. ':' .. tenant
-  local state = redis.call('HMGET', fair, 'clock:' .. band, 'tag:' .. flow, 'queued:' .. flow)
-  local start = tonumber(state[1] or '0')
-  if tonumber(state[3] or '0') > 0 then start = math.max(start, tonumber(state[2])) end
-  redis.call('HSET', fair, 'tag:' .. flow, exact(start + 1 / weight))
-  redis.call('HINCRBY', fair, 'queued:' .. flow, 1)
-  return start
-end
-local function leave_flow(fair, band, tenant)
-  local flow = band .. ':' .. tenant
-  if redis.call('HINCRBY', fair, 'queued:' .. flow, -1) <= 0 then
-    redis.call('HDEL', fair, 'tag:' .. flow, 'queued:' .. flow)
-  end
-end
--- A queued job's tenant and the band it was enqueued in; nil if it is not queued (claimed,
--- cancelled, or enqueued without edgeq's script).
-local function queued_entry(tenant_of, job_id)
-  local entry = redis.call('HGET', tenant_of, job_id)
-  if not entry then return nil end
-  local born, tenant = string.match(entry, '^(%d):(.*)$')
-  return tenant, tonumber(born)
-end
--- Take a queued job out of every count (it was claimed or cancelled) while it is in `band`.
-local function dequeued(fair, tenant_of, queued, aging, job_id, band, tenant)
-  redis.call('HDEL', tenant_of, job_id)
-  redis.call('HINCRBY', queued, tenant, -1)
-  leave_flow(fair, band, tenant)
-  redis.call('ZREM', aging, job_id)
-end
-"""
