@@ -18,7 +18,7 @@ A JSON Schema is checked against its meta-schema here, so a bad one is refused a
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
@@ -32,9 +32,6 @@ from pydantic import (
 )
 
 from edgeq.core.errors import InvalidAnswer
-
-if TYPE_CHECKING:
-    from edgeq.core.protocol import ChatResult
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -91,8 +88,21 @@ ResponseFormat = Annotated[
 ]
 
 
-def parse_answer(result: ChatResult, model: type[ModelT]) -> ModelT:
-    """The answer of a ``json_schema_format(model)`` request as a ``model`` instance."""
+class Answer(Protocol):
+    """What ``parse_answer`` reads of a whole answer (``edgeq.core.protocol.ChatResult`` is
+    one): spelt here so that this module needs nothing of the protocol module, which needs it."""
+
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def finish_reason(self) -> str: ...
+
+
+def parse_answer(result: Answer, model: type[ModelT]) -> ModelT:
+    """The answer of a ``json_schema_format(model)`` request (a ``ChatResult``) as a
+    ``model`` instance."""
     if result.finish_reason != "stop":
         raise InvalidAnswer(
             f"job {result.job_id}: the answer ended with finish_reason={result.finish_reason!r} "
