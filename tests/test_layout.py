@@ -1,31 +1,39 @@
 """The architecture the layout promises, checked on the code itself.
 
 Data flows one way (producer -> Redis -> worker -> Redis -> subscriber) through a shared core:
-``edgeq.core`` imports neither side, the worker never imports the producer, and the producer
-(what a backend service installs) never imports the worker, vLLM or torch. The ``edgeq``
-command is a registry: the command modules never import the registry back. vLLM's general
-plugin, which vLLM loads in every vLLM process of the environment, acts only in edgeq's own
-engine processes.
+``edgeq.core`` imports neither side, the worker never imports the producer, the producer (what
+a backend service installs) never imports the worker, vLLM or torch, and no two modules of the
+core import each other, even for a type hint. The ``edgeq`` command is a registry: the command
+modules never import the registry back, and a client's command loads nothing of the worker.
+vLLM's general plugin, which vLLM loads in every vLLM process of the environment, acts only in
+edgeq's own engine processes.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
+import importlib
+import inspect
 import os
 import subprocess
 import sys
 import tomllib
+import typing
+from collections.abc import Mapping, Set
 from pathlib import Path
 
 import pytest
 
 import edgeq
-from edgeq.cli import COMMAND_MODULES
+from edgeq.cli import COMMAND_MODULES, COMMANDS, build_parser
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent
 
 REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # Where each part of the installed `edgeq` package lives in this tree: pyproject.toml's
 # package-dir, and edgeq's own subpackages inside edgeq/.
-_FOLDERS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+_FOLDERS = PYPROJECT["tool"]["setuptools"]["package-dir"]
 PARTS = {
     "edgeq.core": REPO / "src" / "edgeq" / "core",
     "edgeq.testing": REPO / "src" / "edgeq" / "testing",
@@ -68,11 +76,72 @@ def test_each_part_imports_only_what_the_data_flow_allows(part: str) -> None:
     assert not {file: names for file, names in broken.items() if names}
 
 
+def circles(graph: Mapping[str, Set[str]]) -> list[list[str]]:
+    """The groups of nodes of ``graph`` (node -> the nodes it imports) that reach each other:
+    each group is a circle of imports, or several that share modules."""
+
+    def reach(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for after in graph.get(todo.pop(), ()):
+                if after not in seen:
+                    seen.add(after)
+                    todo.append(after)
+        return seen
+
+    reached = {node: reach(node) for node in graph}
+    groups = {
+        tuple(sorted(other for other in graph if node in reached[other] and other in reached[node]))
+        for node in graph
+        if node in reached[node]
+    }
+    return sorted(list(group) for group in groups)
+
+
+def test_circles_finds_every_circle_and_nothing_else() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"a"}, "b": set()}) == [["a"]]
+    assert circles({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_two_core_modules_import_each_other() -> None:
+    """Not through other core modules either, and not for a type hint (``TYPE_CHECKING``
+    imports count): a circle means the two belong together or a piece sits in the wrong one."""
+    modules = {
+        f"edgeq.core.{path.stem}": path
+        for path in PARTS["edgeq.core"].glob("*.py")
+        if path.stem != "__init__"
+    }
+    assert "edgeq.core.protocol" in modules  # the test reads the right folder
+    graph = {name: imports_of(path) & set(modules) for name, path in modules.items()}
+    assert graph["edgeq.core.protocol"]  # and sees imports inside the core
+    assert not circles(graph), circles(graph)
+
+
 def test_the_command_modules_never_import_the_registry() -> None:
     for module in COMMAND_MODULES:
         part, _, name = module.rpartition(".")
         path = PARTS[part] / f"{name}.py"
         assert "edgeq.cli" not in imports_of(path), f"{path} imports edgeq.cli: a circle"
+
+
+def commands_of(parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    (subcommands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return tuple(subcommands.choices)
+
+
+@pytest.mark.parametrize("module", COMMAND_MODULES)
+def test_the_registry_knows_which_module_registers_each_command(module: str) -> None:
+    """``edgeq COMMAND`` imports only the module the registry names for COMMAND: that module
+    must register it (and the registry must name all it registers)."""
+    for command in COMMANDS[module]:
+        assert commands_of(build_parser([command, "--help"])) == COMMANDS[module], command
+
+
+def test_edgeq_help_lists_every_command() -> None:
+    listed = tuple(name for names in COMMANDS.values() for name in names)
+    assert commands_of(build_parser()) == commands_of(build_parser(["--help"])) == listed
 
 
 def run_python(code: str, **env: str) -> str:
@@ -89,15 +158,17 @@ def run_python(code: str, **env: str) -> str:
 
 
 def test_the_client_loads_no_engine_and_the_worker_loads_no_client() -> None:
+    # A backend service: the client, and the `edgeq` command lines it runs (what main builds).
     loaded = run_python(
         "import sys, edgeq\n"
         "from edgeq import ChatClient, SyncChatClient\n"
-        "import edgeq.producer.commands, edgeq.cli\n"
-        "edgeq.cli.build_parser()\n"
+        "import edgeq.cli\n"
+        f"for command in {COMMANDS['edgeq.producer.commands']!r}:\n"
+        "    edgeq.cli.build_parser([command, '--help'])\n"
         "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "{'vllm', 'torch', 'fastapi', 'matplotlib'} or m.startswith('edgeq.worker.'))))"
+        "{'vllm', 'torch', 'fastapi', 'matplotlib'} or m.split('.')[:2] == ['edgeq', 'worker'])))"
     )
-    assert loaded.split() == ["edgeq.worker.commands", "edgeq.worker.settings"], loaded
+    assert loaded == "", loaded
     loaded = run_python(
         "import sys, edgeq.worker.jobs, edgeq.worker.app\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('edgeq.producer'))))"
@@ -116,10 +187,22 @@ def test_the_bench_loads_the_engine_only_for_a_mode_that_runs_one() -> None:
 
 
 def test_the_public_api_is_at_the_package_root() -> None:
-    assert edgeq.__version__ == "0.1.0"
+    # The version pyproject.toml states (a stale install's differs: reinstall, `make venv`).
+    assert edgeq.__version__ == PYPROJECT["project"]["version"]
     assert sorted(edgeq.__all__) == sorted(["__version__", *edgeq._EXPORTS])
-    for name in edgeq.__all__:
-        assert getattr(edgeq, name) is not None
+    for name, module in edgeq._EXPORTS.items():
+        value = getattr(edgeq, name)
+        assert value is getattr(importlib.import_module(module), name), name
+        if name == "StreamEvent":  # a type alias: the union of the three events
+            assert typing.get_origin(value) is typing.Annotated
+            assert set(typing.get_args(typing.get_args(value)[0])) == {
+                DeltaEvent,
+                DoneEvent,
+                ErrorEvent,
+            }
+        else:  # defined where _EXPORTS says, not re-exported from elsewhere
+            assert inspect.isclass(value) or inspect.isfunction(value), name
+            assert value.__module__ == module, name
     assert issubclass(edgeq.ConfigError, edgeq.EdgeqError)
     assert issubclass(edgeq.StreamClosed, edgeq.EdgeqError)
     assert issubclass(edgeq.InvalidRequest, ValueError)
