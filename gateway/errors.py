@@ -1,0 +1,121 @@
+"""Every error the gateway answers with, in OpenAI's shape (``{"error": {...}}``).
+
+OpenAI SDKs turn the status and body into their exception types (and retry 429 and 5xx on
+their own), so what a failed job, a ChatClient error, a bad body or an unknown path becomes is
+decided here, in one place: ``job_error`` and ``client_error`` map edgeq's errors, and
+``install_error_handlers`` makes FastAPI's own errors look the same.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edgeq.core.errors import (
+    EdgeqError,
+    InvalidRequest,
+    JobFailed,
+    JobTimeout,
+    QueueFull,
+    RedisUnavailable,
+)
+from edgeq.core.protocol import ErrorCode
+from edgeq.gateway.openai_api import ErrorType, error_json
+
+#: HTTP status for each way a job can end without an answer. OpenAI SDKs retry 429 and 5xx
+#: on their own, so only the codes that are safe to retry get a 5xx.
+JOB_ERROR_STATUS: dict[str, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.PROMPT_TOO_LONG: 400,
+    ErrorCode.CANCELLED: 499,  # nginx's "client closed request": someone cancelled the job
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.SHUTDOWN: 503,
+    ErrorCode.EXPIRED: 503,
+    ErrorCode.WORKER_LOST: 503,
+    ErrorCode.ENGINE_ERROR: 500,
+}
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: ErrorType,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_json(message, type=type, code=code, param=param)
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers)
+
+
+def job_error(code: str, message: str) -> ApiError:
+    """A job's ``error`` event (its stable code and sentence) as an HTTP error."""
+    status = JOB_ERROR_STATUS.get(code, 500)
+    kind: ErrorType = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, type=kind, code=code)
+
+
+def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiError:
+    """What ChatClient raised, as the HTTP error a caller of OpenAI expects."""
+    if isinstance(error, InvalidRequest):
+        return ApiError(400, str(error), type="invalid_request_error", code="invalid_request")
+    if isinstance(error, QueueFull):
+        return ApiError(
+            429,
+            str(error),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(retry_after_s)} if retry_after_s else None,
+        )
+    if isinstance(error, JobFailed):
+        return job_error(error.code, error.message)
+    if isinstance(error, JobTimeout):
+        return ApiError(504, str(error), type="server_error", code="stream_timeout")
+    if isinstance(error, RedisUnavailable):
+        return ApiError(503, str(error), type="service_unavailable", code="redis_unavailable")
+    return ApiError(502, str(error), type="server_error", code="stream_broken")
+
+
+async def api_error(_: Request, error: ApiError) -> JSONResponse:
+    return error.response()
+
+
+async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 for a body that does not parse, as the 400 OpenAI sends, naming the
+    first bad field as ``param`` and every problem in the message."""
+    problems = error.errors()
+    first = problems[0] if problems else {}
+    # loc starts with where the value came from ("body"); the rest is the field's path.
+    param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+    message = "; ".join(
+        f"{'.'.join(str(part) for part in item['loc'][1:]) or 'body'}: {item['msg']}"
+        for item in problems
+    )
+    return ApiError(
+        400, message, type="invalid_request_error", code="invalid_request", param=param
+    ).response()
+
+
+async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape too."""
+    kind: ErrorType = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return ApiError(error.status_code, str(error.detail), type=kind).response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error ``app`` answers with one in OpenAI's shape."""
+    app.add_exception_handler(ApiError, api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, invalid_body)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
