@@ -19,15 +19,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from edgeq.bench.gpu_rate import GpuRate
-from edgeq.core.protocol import ChatMessage
+from edgeq.core.protocol import ChatMessage, ChatRequest
 from edgeq.core.scheduling import Priority
 from edgeq.core.structured import Tool
-from edgeq.worker.engine import ChatEngine
+from edgeq.worker.engine import RequestRules
+from edgeq.worker.engine_api import Engine
 from edgeq.worker.settings import WorkerSettings
+from edgeq.worker.structured import AnswerReader
 
 #: Characters of chat text per simulated prompt token (roughly English text in Qwen3's BPE).
 CHARS_PER_TOKEN = 4
@@ -88,35 +90,23 @@ class SimulatedOutput:
     metrics: None = None
 
 
-@dataclass
-class RunningRequests:
-    """The part of vLLM's AsyncLLM the worker asks about."""
-
-    requests: set[str] = field(default_factory=set)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-
-class SimulatedEngine(ChatEngine):
-    """ChatEngine's request handling (sampling params, thinking and max-token rules) with
-    rendering, tokenizing and generation simulated. No tokenizer: requests with tools are
-    rendered without them and their answers are never tool calls."""
+class SimulatedEngine:
+    """An engine (worker/engine_api.py) with vLLM's request rules (sampling params, thinking
+    and max-token rules: ``RequestRules``) and rendering, tokenizing and generation
+    simulated. No tokenizer: requests with tools are rendered without them and their answers
+    are never tool calls."""
 
     def __init__(self, settings: WorkerSettings, gpu: GpuRate) -> None:
-        # Not ChatEngine.__init__: there is no vLLM engine or tokenizer to take apart.
         self.settings = settings
         self.gpu = gpu
-        self.llm = RunningRequests()  # type: ignore[assignment]
         self.max_model_len = settings.max_model_len or DEFAULT_MAX_MODEL_LEN
-        self._by_priority = False
-        self._tokenizer = None
-        self._think_ids = []
+        self.rules = RequestRules(settings, max_model_len=self.max_model_len)
+        self._requests: set[str] = set()
         self._clock = DecodeClock(gpu.step_ms / 1000)
         self._clock.start()
 
     @classmethod
-    async def start(cls, settings: WorkerSettings, *, gpu: GpuRate | None = None) -> ChatEngine:
+    async def start(cls, settings: WorkerSettings, *, gpu: GpuRate | None = None) -> Engine:
         return cls(settings, gpu or GpuRate())
 
     @property
@@ -128,6 +118,12 @@ class SimulatedEngine(ChatEngine):
 
     def shutdown(self) -> None:
         self._clock.stop()
+
+    def unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def answer_reader(self, request: ChatRequest) -> AnswerReader:
+        return AnswerReader(request, None)
 
     async def render(
         self,
@@ -142,7 +138,7 @@ class SimulatedEngine(ChatEngine):
     async def encode(self, text: str) -> list[int]:
         return [0] * (len(text) // CHARS_PER_TOKEN)
 
-    async def generate(  # type: ignore[override]
+    async def generate(
         self,
         prompt_token_ids: list[int],
         params: Any,
@@ -150,7 +146,7 @@ class SimulatedEngine(ChatEngine):
         *,
         priority: Priority | None = None,
     ) -> AsyncGenerator[SimulatedOutput, None]:
-        self.llm.requests.add(request_id)
+        self._requests.add(request_id)
         try:
             await asyncio.sleep(self.gpu.prefill_ms / 1000)
             wanted: int = params.max_tokens
@@ -172,4 +168,4 @@ class SimulatedEngine(ChatEngine):
                 )
                 yield SimulatedOutput(outputs=[completion], finished=finished)
         finally:
-            self.llm.requests.discard(request_id)
+            self._requests.discard(request_id)

@@ -31,7 +31,7 @@ from edgeq.producer.client import ChatClient
 
 if TYPE_CHECKING:
     from edgeq.bench.gpu_rate import GpuRate
-    from edgeq.worker.engine import ChatEngine
+    from edgeq.worker.engine_api import Engine
     from edgeq.worker.settings import WorkerSettings
 
 #: How long an OpenAI stream may stay silent: edgeq's default EDGEQ_STREAM_TIMEOUT_S, so both
@@ -181,7 +181,7 @@ class DirectTarget:
     def __init__(self, settings: WorkerSettings, gpu: GpuRate | None = None) -> None:
         self.settings = settings
         self.gpu = gpu
-        self._engine: ChatEngine | None = None
+        self._engine: Engine | None = None
 
     @property
     def description(self) -> str:
@@ -223,8 +223,9 @@ class DirectTarget:
             raise RuntimeError("DirectTarget is used outside its async with block")
         chat = ChatRequest(messages=list(request.messages), **fields)
         # The worker's own two steps before generating (worker/jobs.py: run_chat).
-        prompt = await engine.render(chat.messages, enable_thinking=engine.thinking_enabled(chat))
-        params = engine.sampling_params(chat, len(prompt))
+        thinking = engine.rules.thinking_enabled(chat)
+        prompt = await engine.render(chat.messages, enable_thinking=thinking)
+        params = engine.rules.sampling_params(chat, len(prompt))
         tokens = 0
         finish_reason: str | None = None
         async for output in engine.generate(prompt, params, f"bench-{uuid.uuid4().hex}"):

@@ -4,7 +4,7 @@ set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
-# redis-cli builds the test Redis Cluster; redis-benchmark drives scripts/measure_redis_ceiling.py.
+# redis-cli builds the test Redis Cluster; redis-benchmark drives `edgeq capacity --redis-ceiling`.
 { command -v redis-cli && command -v redis-benchmark; } >/dev/null || missing+=(redis-tools)
 # systemd-analyze, for tests/test_units.py (offline: systemd is not started).
 command -v systemd-analyze >/dev/null || missing+=(systemd)

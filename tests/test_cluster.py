@@ -27,7 +27,6 @@ from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.client import ChatClient, ChatJob
 from edgeq.testing.processes import WorkerProcess
-from edgeq.worker.settings import WorkerSettings
 from helpers import (
     EDGEQ,
     FULL_LENGTH_SEEDS,
@@ -67,8 +66,6 @@ def test_on_a_cluster_the_queue_needs_a_hash_tag(clean_edgeq_env: None) -> None:
     with pytest.raises(ConfigError, match=r"needs a hash tag.*\{edgeq:queue\}"):
         load_settings(ConnectionSettings, redis_url=url)
     assert load_settings(ConnectionSettings, redis_url=url, queue=QUEUE).queue == QUEUE
-    with pytest.raises(ConfigError, match="EDGEQ_FAST_PICKUP=false cannot run on a Redis Cluster"):
-        load_settings(WorkerSettings, redis_url=url, queue=QUEUE, fast_pickup=False)
 
 
 def test_job_ids_carry_the_queues_tag_so_all_their_keys_share_its_slot() -> None:

@@ -4,26 +4,25 @@ two workers claiming at once never take the same job, and what makes a worker cl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from arq.constants import abort_jobs_ss
-from arq.worker import func
 from redis.asyncio import Redis
 
 from edgeq.core.connection import make_redis
+from edgeq.core.events import EventLog
 from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key, wake_channel
 from edgeq.core.leases import redis_now_ms
-from edgeq.core.protocol import JOB_FUNCTION, dump_json, load_json
+from edgeq.core.protocol import dump_json, load_json
 from edgeq.core.settings import ConnectionSettings
+from edgeq.core.tasks import cancel_and_wait
 from edgeq.producer.queue import Enqueued, JobQueue
 from edgeq.testing.processes import RedisServer
 from edgeq.worker.claim import START_COUNT_TTL_S, claim_due_jobs
-from edgeq.worker.pickup import FastPickupWorker
+from edgeq.worker.lifecycle import JobLoop, LoopConfig, StartedJob
 
 NOW_MS = 1_800_000_000_000
 TTL_MS = 60_000
@@ -143,10 +142,10 @@ class HeldJobs:
         self.running: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.released: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
-    async def run(self, ctx: dict[str, Any], request: dict[str, Any]) -> str:
-        self.running[request["name"]].set()
-        await self.released[request["name"]].wait()
-        return request["name"]
+    async def run(self, job: StartedJob) -> str:
+        self.running[job.payload["name"]].set()
+        await self.released[job.payload["name"]].wait()
+        return job.payload["name"]
 
     async def started(self, name: str) -> None:
         await asyncio.wait_for(self.running[name].wait(), 10)
@@ -160,30 +159,25 @@ async def held_worker(
     an hour: whatever it claims while a job runs, a signal made it claim."""
     jobs = HeldJobs()
     settings = ConnectionSettings(redis_url=redis_server.url, queue=queue)
-    worker = FastPickupWorker(
-        functions=[func(jobs.run, name=JOB_FUNCTION)],
-        queue_name=queue,
-        redis_pool=make_redis(settings),
-        handle_signals=False,
-        max_jobs=request.param,
-        retry_jobs=False,
-        poll_delay=3600,
-        job_serializer=dump_json,
-        job_deserializer=load_json,
+    redis = make_redis(settings)
+    loop = JobLoop(
+        redis=redis,
+        config=LoopConfig(queue=queue, max_jobs=request.param, poll_delay_s=3600),
+        run_job=jobs.run,
+        events=EventLog(redis, replay_ttl_s=60, queue=queue),
+        deserializer=load_json,
+        serializer=dump_json,
     )
-    main = asyncio.create_task(worker.main())
+    main = asyncio.create_task(loop.serve())
     producer = Redis.from_url(redis_server.url)
     try:
         yield jobs, JobQueue(producer, queue)
     finally:
         for released in jobs.released.values():
             released.set()
-        # Let them end: arq's close cancels whatever still runs, and then fails on it.
-        await asyncio.gather(*worker.tasks.values(), return_exceptions=True)
-        main.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await main
-        await worker.close()
+        await asyncio.gather(*loop.running.values(), return_exceptions=True)
+        await cancel_and_wait(main)
+        await redis.aclose()
         await producer.aclose()
 
 

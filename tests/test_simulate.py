@@ -84,7 +84,8 @@ def test_the_stamp_in_a_delta_is_its_newest_token() -> None:
 
 
 def test_a_simulated_chat_honours_the_request_like_the_real_engine() -> None:
-    """Sampling params are ChatEngine's own: max_tokens from the request, else the box's."""
+    """Sampling params follow the real engine's rules: max_tokens from the request, else the
+    box's."""
     from edgeq.bench.simulate import GpuRate, SimulatedEngine
     from edgeq.worker.settings import WorkerSettings
 
@@ -94,14 +95,14 @@ def test_a_simulated_chat_honours_the_request_like_the_real_engine() -> None:
         )
         try:
             request = ChatRequest(messages=[{"role": "user", "content": "hi"}])
-            params = engine.sampling_params(request, 10)
+            params = engine.rules.sampling_params(request, 10)
             sizes = []
             async for output in engine.generate([0] * 10, params, "r1"):
                 sizes.append(len(output.outputs[0].token_ids))
                 if len(sizes) == 2:  # a consumer that falls behind gets the missed steps
                     await asyncio.sleep(0.03)
-                assert engine.llm.get_num_unfinished_requests() == 1
-            return params.max_tokens, sizes, engine.llm.get_num_unfinished_requests()
+                assert engine.unfinished_requests() == 1
+            return params.max_tokens, sizes, engine.unfinished_requests()
         finally:
             engine.shutdown()
 
@@ -121,7 +122,7 @@ def test_a_simulated_engine_holds_outputs_back_like_vllms_stream_interval() -> N
         engine = SimulatedEngine(settings, GpuRate(step_ms=5, prefill_ms=0))
         try:
             request = ChatRequest(messages=[{"role": "user", "content": "hi"}])
-            params = engine.sampling_params(request, 10)
+            params = engine.rules.sampling_params(request, 10)
             return [
                 len(output.outputs[0].token_ids)
                 async for output in engine.generate([0] * 10, params, "r1")

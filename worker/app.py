@@ -1,9 +1,11 @@
-"""Assembling and running the arq worker around one warm engine.
+"""Assembling and running the worker around one warm engine: its state, the engine's start
+and stop, the keep-alive round (leases, hand-overs, heartbeat), and the job loop
+(worker/lifecycle.py) fed with the chat job (worker/jobs.py).
 
-arq's defaults fight this design (README, "How the worker runs"), so each one that matters
-is set here on purpose: JSON instead of pickle, a short poll delay, ``max_jobs`` following the
-engine's batch, one try per chat, aborts allowed, a finite timeout, no arguments or results in
-arq's log lines.
+Jobs stay arq jobs on the wire (JSON, never pickle; worker/arq_seam.py); the loop that runs
+them is edgeq's own, so each of arq's defaults that fought this design (README, "How the
+worker runs") is simply not there: it claims a burst in one round trip, runs as many chats as
+the engine batches, starts a chat once plus once per continuation, and drains on SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,142 +13,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
 
 import structlog
-from arq.worker import func
 
 from edgeq.core.cluster import is_cluster_url
-from edgeq.core.connection import REDIS_ERRORS, make_redis, tls_hint
-from edgeq.core.errors import StreamClosed
+from edgeq.core.connection import REDIS_ERRORS, make_redis
 from edgeq.core.events import EventLog
-from edgeq.core.keys import cluster_abort_set_key, health_check_key
-from edgeq.core.leases import (
-    LOST_MESSAGE,
-    Handover,
-    reap_lost_jobs,
-    release_lease,
-    renew_leases,
-)
-from edgeq.core.protocol import JOB_FUNCTION, ErrorCode, ErrorEvent
+from edgeq.core.keys import cluster_abort_set_key
+from edgeq.core.leases import Handover, reap_lost_jobs, renew_leases
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
 from edgeq.core.tasks import cancel_and_wait
+from edgeq.worker.arq_seam import ARQ_ABORT_SET
 from edgeq.worker.engine import ChatEngine
+from edgeq.worker.engine_api import Engine
 from edgeq.worker.jobs import chat
+from edgeq.worker.lifecycle import JobLoop, LoopConfig, run_until_signalled
 from edgeq.worker.metrics import WorkerMetrics, serve_metrics
 from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
-from edgeq.worker.pickup import FastPickupWorker
 from edgeq.worker.settings import WorkerSettings
-from edgeq.worker.state import STATE_KEY, WorkerState, running_by_tenant, worker_state
+from edgeq.worker.state import WorkerState, running_by_tenant
 from edgeq.worker.wire import dump_json, load_job
 
-# arq's own timeout is a backstop behind the job's (which publishes a proper `timeout` event).
-ARQ_TIMEOUT_MARGIN_S = 10.0
-# Often enough that `arq --check` style liveness is meaningful, rarely enough to cost nothing.
-HEALTH_CHECK_INTERVAL_S = 10
+# The loop's timeout is a backstop behind the job's (which publishes a proper `timeout` event).
+JOB_TIMEOUT_MARGIN_S = 10.0
 # Leases are renewed this many times per lease TTL, so one late renewal is not a lost job.
 LEASE_RENEWALS_PER_TTL = 4
-# While Redis is unreachable the worker keeps its warm engine and tries again this often.
-REDIS_RETRY_S = 0.5
 
 log = structlog.get_logger("edgeq.worker")
 
 #: Builds the worker's one engine from its settings: vLLM's (``ChatEngine.start``), or a
 #: stand-in at a GPU's token rate for capacity runs (edgeq.bench.simulate).
-EngineStarter = Callable[[WorkerSettings], Awaitable[ChatEngine]]
+EngineStarter = Callable[[WorkerSettings], Awaitable[Engine]]
 
 
 def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def early_failure(result_data: bytes | None) -> tuple[ErrorCode, str]:
-    """The error event for a job arq failed without running it (README, "Guarantees")."""
-    try:
-        outcome = json.loads(result_data or b"{}").get("r") or {}
-    except (ValueError, AttributeError):
-        outcome = {}
-    name = outcome.get("exception", "") if isinstance(outcome, dict) else ""
-    said = outcome.get("message", "") if isinstance(outcome, dict) else str(outcome)
-    if said == "job expired" and _starts(result_data) > 1:
-        return ErrorCode.WORKER_LOST, LOST_MESSAGE.format(
-            why="no worker took it over within EDGEQ_CONTINUE_WITHIN_S"
-        )
-    if said == "job expired":
-        return ErrorCode.EXPIRED, (
-            "the job was not started before its queue deadline (EDGEQ_QUEUE_DEADLINE_S or "
-            "the deadline given at submit); it never ran"
-        )
-    if "retries exceeded" in said:
-        return ErrorCode.WORKER_LOST, LOST_MESSAGE.format(
-            why="it was started as often as EDGEQ_MAX_CONTINUATIONS allows"
-        )
-    if name == "CancelledError":
-        return ErrorCode.CANCELLED, "the job was aborted before it started"
-    return ErrorCode.ENGINE_ERROR, f"the job failed before it started: {name or said}"
-
-
-def _starts(result_data: bytes | None) -> int:
-    """How often arq had started the job (its ``job_try``), from a failure's result data."""
-    try:
-        starts = json.loads(result_data or b"{}").get("t")
-    except (ValueError, AttributeError):
-        return 0
-    return starts if isinstance(starts, int) else 0
-
-
-class EdgeqWorker(FastPickupWorker):
-    """arq's Worker, plus what edgeq's guarantees need from it:
-
-    - jobs arq fails without running them (expired, aborted, re-delivered after a crash) still
-      end with an error event, so no subscriber waits for nothing;
-    - a Redis outage does not end the process (and its warm engine): it waits and retries;
-    - a drain (SIGTERM) is visible to the jobs it cuts short, which end with ``shutdown``.
-    """
-
-    async def finish_failed_job(self, job_id: str, result_data: bytes | None) -> None:
-        await super().finish_failed_job(job_id, result_data)
-        code, message = early_failure(result_data)
-        event = ErrorEvent(job_id=job_id, seq=0, code=code.value, message=message)
-        state = worker_state(self.ctx)
-        state.metrics.job_ended(code.value)
-        try:
-            await release_lease(state.redis, state.settings.queue, job_id)  # leased at claim
-            await state.events.append(event)
-            log.info("job_failed", job_id=job_id, code=code.value, reason=message)
-        except StreamClosed:
-            pass  # already ended (cancelled, or declared lost): one terminal event only
-
-    async def finish_job(self, job_id: str, *args: Any, **kwargs: Any) -> None:
-        # A run whose stream another run took must not finish the job for it (arq would
-        # delete the payload and in-progress keys the other run still needs).
-        superseded = worker_state(self.ctx).superseded
-        if job_id in superseded:
-            superseded.discard(job_id)
-            return
-        await super().finish_job(job_id, *args, **kwargs)
-
-    async def _poll_iteration(self) -> None:
-        try:
-            await super()._poll_iteration()
-        except REDIS_ERRORS as error:
-            log.warning(
-                "redis_unavailable", error=f"{type(error).__name__}: {error}{tls_hint(error)}"
-            )
-            await asyncio.sleep(REDIS_RETRY_S)
-
-    def handle_sig_wait_for_completion(self, signum: Any) -> None:
-        worker_state(self.ctx).draining.set()  # the one state object every job's ctx holds
-        log.info("worker_draining", drain_timeout_s=self._job_completion_wait)
-        notify("STOPPING=1\nSTATUS=draining")
-        super().handle_sig_wait_for_completion(signum)
 
 
 def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
@@ -223,9 +130,8 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
-async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngine.start) -> None:
-    """arq's on_startup: build and warm the engine before the first job is picked."""
-    state = worker_state(ctx)
+async def start_engine(state: WorkerState, *, starter: EngineStarter = ChatEngine.start) -> None:
+    """Build and warm the engine before the first job is claimed."""
     settings = state.settings
     # First, so producers' enqueues apply this box's weights and caps while the engine builds.
     await publish_tenancy(state.redis, settings.queue, settings.tenancy)
@@ -257,8 +163,7 @@ async def start_engine(ctx: dict[str, Any], *, starter: EngineStarter = ChatEngi
         state.background.append(asyncio.create_task(keep_watchdog(interval_s)))
 
 
-async def stop_engine(ctx: dict[str, Any]) -> None:
-    state = worker_state(ctx)
+async def stop_engine(state: WorkerState) -> None:
     background, state.background = state.background, []
     await cancel_and_wait(*background)  # the keep-alive round and the watchdog: sleep loops
     with contextlib.suppress(*REDIS_ERRORS):  # else its record expires within a lease
@@ -269,13 +174,31 @@ async def stop_engine(ctx: dict[str, Any]) -> None:
     log.info("worker_stopped", worker=worker_id())
 
 
+def loop_config(settings: WorkerSettings) -> LoopConfig:
+    # The claim keeps a job's in-progress mark and payload for as long as it may run.
+    may_run_ms = int((settings.job_timeout_s + JOB_TIMEOUT_MARGIN_S) * 1000)
+    return LoopConfig(
+        queue=settings.queue,
+        max_jobs=settings.arq_max_jobs,
+        reserved_slots=settings.arq_reserved_slots,
+        poll_delay_s=settings.poll_delay_ms / 1000,
+        lease_ttl_ms=int(settings.lease_ttl_s * 1000),
+        in_progress_ttl_ms=may_run_ms,
+        job_timeout_s=settings.job_timeout_s + JOB_TIMEOUT_MARGIN_S,
+        # A start after the first continues the stream where it stopped (jobs.py).
+        max_tries=settings.max_continuations + 1,
+        keep_result_s=settings.keep_result_s,
+        abort_set=(
+            cluster_abort_set_key(settings.queue)
+            if is_cluster_url(settings.redis_url)
+            else ARQ_ABORT_SET
+        ),
+    )
+
+
 def build_worker(
-    settings: WorkerSettings,
-    *,
-    process_started: float,
-    metrics: WorkerMetrics,
-    engine_starter: EngineStarter = ChatEngine.start,
-) -> EdgeqWorker:
+    settings: WorkerSettings, *, process_started: float, metrics: WorkerMetrics
+) -> tuple[WorkerState, JobLoop]:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
     state = WorkerState(
         settings=settings,
@@ -286,35 +209,46 @@ def build_worker(
         started_at=time.time(),
     )
     metrics.count_running(lambda: len(state.running))
-    return EdgeqWorker(
-        functions=[
-            func(
-                chat,
-                name=JOB_FUNCTION,
-                # A start after the first continues the stream where it stopped (jobs.py).
-                max_tries=settings.max_continuations + 1,
-                timeout=settings.job_timeout_s + ARQ_TIMEOUT_MARGIN_S,
-            )
-        ],
-        queue_name=settings.queue,
-        redis_pool=redis,
-        on_startup=partial(start_engine, starter=engine_starter),
-        on_shutdown=stop_engine,
-        max_jobs=settings.arq_max_jobs,
-        poll_delay=settings.poll_delay_ms / 1000,
-        keep_result=settings.keep_result_s,
-        max_tries=1,
-        retry_jobs=False,
-        allow_abort_jobs=True,
-        log_results=False,
-        health_check_interval=HEALTH_CHECK_INTERVAL_S,
-        health_check_key=health_check_key(settings.queue, worker_id()),
-        job_serializer=dump_json,
-        job_deserializer=load_job,
-        job_completion_wait=settings.drain_timeout_s,
-        # Shared by reference with each job's ctx (arq copies the dict, not its values).
-        ctx={STATE_KEY: state},
+    jobs = JobLoop(
+        redis=redis,
+        config=loop_config(settings),
+        run_job=partial(chat, state),
+        events=state.events,
+        deserializer=load_job,
+        serializer=dump_json,
+        superseded=state.superseded,
+        count_not_started=metrics.job_ended,
     )
+    return state, jobs
+
+
+async def serve(
+    settings: WorkerSettings,
+    *,
+    process_started: float,
+    metrics: WorkerMetrics,
+    engine_starter: EngineStarter = ChatEngine.start,
+) -> None:
+    state, jobs = build_worker(settings, process_started=process_started, metrics=metrics)
+
+    def on_drain() -> None:
+        state.draining.set()
+        log.info(
+            "worker_draining", drain_timeout_s=settings.drain_timeout_s, running=len(jobs.running)
+        )
+        notify("STOPPING=1\nSTATUS=draining")
+
+    log.info("worker_starting", worker=worker_id(), queue=settings.queue)
+    try:
+        await run_until_signalled(
+            jobs,
+            start=partial(start_engine, state, starter=engine_starter),
+            stop=partial(stop_engine, state),
+            on_drain=on_drain,
+            drain_timeout_s=settings.drain_timeout_s,
+        )
+    finally:
+        await state.redis.aclose(close_connection_pool=True)
 
 
 def run_worker(
@@ -328,12 +262,11 @@ def run_worker(
     metrics = WorkerMetrics(tenants=settings.tenancy.named_tenants)
     if settings.metrics_port:
         serve_metrics(settings.metrics_host, settings.metrics_port)
-    worker = build_worker(
-        settings, process_started=process_started, metrics=metrics, engine_starter=engine_starter
+    asyncio.run(
+        serve(
+            settings,
+            process_started=process_started,
+            metrics=metrics,
+            engine_starter=engine_starter,
+        )
     )
-    worker.fast_pickup = settings.fast_pickup
-    worker.lease_ttl_ms = int(settings.lease_ttl_s * 1000)
-    worker.reserved_slots = settings.arq_reserved_slots
-    if is_cluster_url(settings.redis_url):
-        worker.abort_set = cluster_abort_set_key(settings.queue)
-    worker.run()

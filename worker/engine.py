@@ -166,6 +166,61 @@ def private_ipc_dir() -> Iterator[str | None]:
         del os.environ["VLLM_RPC_BASE_PATH"]
 
 
+class RequestRules:
+    """How a request becomes SamplingParams on an engine: its own fields, else the box's
+    defaults; max_tokens within the context left; thinking on or off, and the think tags
+    banned from sampling when it is off. Both engines (worker/engine_api.py) hold one."""
+
+    def __init__(
+        self, settings: WorkerSettings, *, max_model_len: int, think_token_ids: Sequence[int] = ()
+    ) -> None:
+        self.settings = settings
+        self.max_model_len = max_model_len
+        self._think_ids = list(think_token_ids)
+
+    def thinking_enabled(self, request: ChatRequest) -> bool:
+        # A grammar holds the answer from its first token, so there is no room to think.
+        if request.constrained:
+            return False
+        if request.enable_thinking is None:
+            return self.settings.enable_thinking
+        return request.enable_thinking
+
+    def max_tokens(self, request: ChatRequest) -> int:
+        return request.max_tokens if request.max_tokens is not None else self.settings.max_tokens
+
+    def sampling_params(
+        self, request: ChatRequest, prompt_tokens: int, *, already: int = 0
+    ) -> SamplingParams:
+        """SamplingParams for one request: its own fields, else the box-wide defaults;
+        ``already`` tokens of the answer exist (a continued job) and count against max_tokens."""
+        room = self.max_model_len - prompt_tokens
+        if room < 1:
+            raise PromptTooLong(
+                f"the prompt is {prompt_tokens} tokens, but this worker's context holds "
+                f"{self.max_model_len} (EDGEQ_MAX_MODEL_LEN) including at least one "
+                f"generated token"
+            )
+        defaults = self.settings
+        max_tokens = self.max_tokens(request) - already
+        banned = None
+        if not self.thinking_enabled(request) and self._think_ids:
+            banned = dict.fromkeys(self._think_ids, BANNED_LOGIT_BIAS)
+        return SamplingParams(
+            temperature=request.temperature
+            if request.temperature is not None
+            else defaults.temperature,
+            top_p=request.top_p if request.top_p is not None else defaults.top_p,
+            max_tokens=min(max_tokens, room),
+            stop=request.stop,
+            seed=request.seed,
+            logit_bias=banned,
+            structured_outputs=structured_outputs(request),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+
 class ChatEngine:
     """One AsyncLLM for the life of the worker, plus its tokenizer and the box's defaults."""
 
@@ -188,7 +243,11 @@ class ChatEngine:
         # off the event loop without ever running two encodes at once.
         self._render_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render")
         vocab = tokenizer.get_vocab()
-        self._think_ids = [vocab[tag] for tag in (THINK_OPEN, THINK_CLOSE) if tag in vocab]
+        self.rules = RequestRules(
+            settings,
+            max_model_len=self.max_model_len,
+            think_token_ids=[vocab[tag] for tag in (THINK_OPEN, THINK_CLOSE) if tag in vocab],
+        )
 
     @classmethod
     async def start(cls, settings: WorkerSettings) -> ChatEngine:
@@ -207,7 +266,7 @@ class ChatEngine:
         """One short generation, so the first real job does not pay for lazy initialisation."""
         request = ChatRequest(messages=list(WARMUP_MESSAGES), max_tokens=WARMUP_TOKENS)
         prompt = await self.render(request.messages, enable_thinking=False)
-        params = self.sampling_params(request, len(prompt))
+        params = self.rules.sampling_params(request, len(prompt))
         async for _ in self.generate(prompt, params, f"warmup-{uuid.uuid4().hex}"):
             pass
 
@@ -232,13 +291,8 @@ class ChatEngine:
     def answer_reader(self, request: ChatRequest) -> AnswerReader:
         return AnswerReader(request, self._tokenizer)
 
-    def thinking_enabled(self, request: ChatRequest) -> bool:
-        # A grammar holds the answer from its first token, so there is no room to think.
-        if request.constrained:
-            return False
-        if request.enable_thinking is None:
-            return self.settings.enable_thinking
-        return request.enable_thinking
+    def unfinished_requests(self) -> int:
+        return int(self.llm.get_num_unfinished_requests())
 
     async def render(
         self,
@@ -276,40 +330,6 @@ class ChatEngine:
         return await loop.run_in_executor(
             self._render_thread,
             lambda: self._tokenizer.encode(text, add_special_tokens=False),
-        )
-
-    def max_tokens(self, request: ChatRequest) -> int:
-        return request.max_tokens if request.max_tokens is not None else self.settings.max_tokens
-
-    def sampling_params(
-        self, request: ChatRequest, prompt_tokens: int, *, already: int = 0
-    ) -> SamplingParams:
-        """SamplingParams for one request: its own fields, else the box-wide defaults;
-        ``already`` tokens of the answer exist (a continued job) and count against max_tokens."""
-        room = self.max_model_len - prompt_tokens
-        if room < 1:
-            raise PromptTooLong(
-                f"the prompt is {prompt_tokens} tokens, but this worker's context holds "
-                f"{self.max_model_len} (EDGEQ_MAX_MODEL_LEN) including at least one "
-                f"generated token"
-            )
-        defaults = self.settings
-        max_tokens = self.max_tokens(request) - already
-        banned = None
-        if not self.thinking_enabled(request) and self._think_ids:
-            banned = dict.fromkeys(self._think_ids, BANNED_LOGIT_BIAS)
-        return SamplingParams(
-            temperature=request.temperature
-            if request.temperature is not None
-            else defaults.temperature,
-            top_p=request.top_p if request.top_p is not None else defaults.top_p,
-            max_tokens=min(max_tokens, room),
-            stop=request.stop,
-            seed=request.seed,
-            logit_bias=banned,
-            structured_outputs=structured_outputs(request),
-            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            output_kind=RequestOutputKind.DELTA,
         )
 
     async def generate(

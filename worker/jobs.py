@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -28,7 +29,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
-from edgeq.core.leases import release_lease, renew_leases
+from edgeq.core.leases import release_lease
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
@@ -41,25 +42,19 @@ from edgeq.core.protocol import (
     limit_problem,
 )
 from edgeq.core.structured import TokenLogprob
-from edgeq.worker.engine import ChatEngine, PromptTooLong
-from edgeq.worker.metrics import WorkerMetrics
+from edgeq.worker.engine import PromptTooLong
+from edgeq.worker.engine_api import Engine
+from edgeq.worker.lifecycle import StartedJob
+from edgeq.worker.metrics import JobLabels, WorkerMetrics
+from edgeq.worker.outcomes import Ending, JobRefused, job_failure
 from edgeq.worker.publisher import RedisAway, StreamPublisher
 from edgeq.worker.reasoning import ReasoningSplitter
 from edgeq.worker.settings import WorkerSettings
-from edgeq.worker.state import worker_state
+from edgeq.worker.state import WorkerState
 from edgeq.worker.structured import constraint_field, grammar_problem, token_logprobs
 from edgeq.worker.wire import JobPayload
 
 log = structlog.get_logger("edgeq.job")
-
-
-class JobRefused(Exception):
-    """The job cannot run; carries the error code and message for its stream."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @contextlib.contextmanager
@@ -107,104 +102,81 @@ def parse_request(payload: JobPayload, settings: WorkerSettings) -> ChatRequest:
     return request
 
 
-async def chat(ctx: dict[str, Any], payload: JobPayload) -> dict[str, Any]:
-    """arq entry point; ``payload`` comes from ``edgeq.worker.wire.load_job``."""
-    job_id: str = ctx["job_id"]  # arq's per-job keys
-    enqueued_s = ctx["enqueue_time"].timestamp()
-    continued = int(ctx.get("job_try") or 1) - 1  # starts before this one
-    state = worker_state(ctx)
+async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
+    """The job function the loop runs (worker/lifecycle.py); ``job.payload`` comes from
+    ``edgeq.worker.wire.load_job``. Returns the job's result: the answer, or its error event."""
+    payload: JobPayload = job.payload
+    continued = job.job_try - 1  # starts before this one
     settings, metrics = state.settings, state.metrics
-    structlog.contextvars.bind_contextvars(job_id=job_id)
-    earlier = await read_events(state.redis, job_id) if continued else []
+    structlog.contextvars.bind_contextvars(job_id=job.job_id)
+    earlier = await read_events(state.redis, job.job_id) if continued else []
     publisher = StreamPublisher(
         state.events,
-        job_id,
+        job.job_id,
         interval_s=settings.stream_interval_ms / 1000,
         outage_limit_s=settings.redis_outage_s,
         earlier=earlier,
         tenant=payload.tenant,
     )
-    state.running[job_id] = payload.tenant
+    state.running[job.job_id] = payload.tenant
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
     try:
-        # The fast claim leased the job as it took it; arq's own claim does not, so lease it
-        # at once: a worker killed from here on is noticed (README, "Guarantees").
-        if not settings.fast_pickup:
-            await renew_leases(state.redis, settings.queue, [job_id], ttl_s=settings.lease_ttl_s)
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(
-                state.ready_engine,
-                settings,
-                metrics,
-                publisher,
-                payload,
-                enqueued_s,
-                earlier=earlier,
-                continued=continued,
-            )
+                state.ready_engine, settings, metrics, publisher, payload,
+                job.enqueued_ms / 1000, earlier=earlier, continued=continued,
+            )  # fmt: skip
         # The same clock reading as the done event's total_ms: metric and event agree.
         outcome, e2e_s = "done", result.timings.total_ms / 1000
         return result.model_dump(mode="json", exclude_none=True)
-    except JobRefused as refusal:
-        outcome = refusal.code.value
-        return await _fail(publisher, refusal.code, refusal.message)
-    except TimeoutError:
-        outcome = ErrorCode.TIMEOUT.value
-        return await _fail(
-            publisher,
-            ErrorCode.TIMEOUT,
-            f"generation did not finish within {settings.job_timeout_s:g} s (EDGEQ_JOB_TIMEOUT_S)",
-        )
-    except RedisAway as away:
-        # Nothing can reach the stream; when Redis is back, its lease runs out and the job is
-        # continued or ends with worker_lost, which is what the metrics count.
-        log.warning("job_abandoned", reason=str(away))
-        outcome = ErrorCode.WORKER_LOST.value
-        return {"type": "error", "code": outcome, "message": str(away)}
-    except StreamClosed as closed:
+    except (Exception, asyncio.CancelledError) as error:
+        ending = job_failure(error, settings, draining=state.draining.is_set())
+        outcome = ending.code.value
+        failure = await _end_with(publisher, ending, error, state)
+        if isinstance(error, asyncio.CancelledError | EngineDeadError):
+            raise
+        return failure
+    finally:
+        metrics.job_ended(outcome, e2e_s=e2e_s)
+        state.running.pop(job.job_id, None)
+        if job.job_id not in state.superseded:  # else the lease is the other run's
+            await asyncio.shield(_release(state.redis, settings.queue, job.job_id))
+        structlog.contextvars.unbind_contextvars("job_id")
+
+
+# Causes whose error event says all there is (job_failed logs it): no traceback for them.
+_ENDINGS_LOGGED_ELSEWHERE = (JobRefused, TimeoutError, asyncio.CancelledError, EngineDeadError)
+
+
+async def _end_with(
+    publisher: StreamPublisher, ending: Ending, error: BaseException, state: WorkerState
+) -> dict[str, Any]:
+    """Publish a failed job's error event (where its stream can take one), log why, and do
+    what its cause asks beyond that."""
+    if isinstance(error, StreamClosed):
         # Someone else ended the stream (a cancel, or a reaper that thought us lost), or took
         # it over (we were thought dead): the generation was abandoned, which aborted its
         # engine request.
-        if isinstance(closed, StreamTaken):
-            state.superseded.add(job_id)
+        taken = isinstance(error, StreamTaken)
+        if taken:
+            state.superseded.add(publisher.job_id)
         log.info(
             "job_stopped",
             reason="another run of the job took its stream"
-            if isinstance(closed, StreamTaken)
+            if taken
             else "its stream was ended elsewhere (cancel or worker_lost)",
-            engine_unfinished_requests=state.ready_engine.llm.get_num_unfinished_requests(),
+            engine_unfinished_requests=state.ready_engine.unfinished_requests(),
         )
-        outcome = ErrorCode.CANCELLED.value
-        return {"type": "error", "code": ErrorCode.CANCELLED.value, "message": "stream closed"}
-    except asyncio.CancelledError:
-        if state.draining.is_set():
-            code, message = (
-                ErrorCode.SHUTDOWN,
-                f"the worker shut down and this chat did not finish within its drain time "
-                f"(EDGEQ_DRAIN_TIMEOUT_S={settings.drain_timeout_s:g}); safe to retry",
-            )
-        else:
-            code, message = ErrorCode.CANCELLED, "the job was aborted before it finished"
-        outcome = code.value
-        await _fail(publisher, code, message)
-        raise
-    except EngineDeadError:
-        await _fail(publisher, ErrorCode.ENGINE_ERROR, "the inference engine died; restarting")
+    elif isinstance(error, RedisAway):
+        log.warning("job_abandoned", reason=ending.message)
+    elif not isinstance(error, _ENDINGS_LOGGED_ELSEWHERE):
+        log.exception("job_error")
+    failure = await _fail(publisher, ending) if ending.publish else ending.as_result()
+    if isinstance(error, EngineDeadError):
         log.error("engine_dead", action="stopping worker so its supervisor restarts it")
         os.kill(os.getpid(), signal.SIGTERM)
-        raise
-    except Exception as error:
-        log.exception("job_error")
-        return await _fail(
-            publisher, ErrorCode.ENGINE_ERROR, f"generation failed: {type(error).__name__}"
-        )
-    finally:
-        metrics.job_ended(outcome, e2e_s=e2e_s)
-        state.running.pop(job_id, None)
-        if job_id not in state.superseded:  # else the lease is the other run's
-            await asyncio.shield(_release(state.redis, settings.queue, job_id))
-        structlog.contextvars.unbind_contextvars("job_id")
+    return failure
 
 
 async def _release(redis: Any, queue: str, job_id: str) -> None:
@@ -214,15 +186,16 @@ async def _release(redis: Any, queue: str, job_id: str) -> None:
         log.warning("lease_release_failed")
 
 
-async def _fail(publisher: StreamPublisher, code: ErrorCode, message: str) -> dict[str, Any]:
-    log.info("job_failed", code=code.value, reason=message)
-    failure = {"type": "error", "code": code.value, "message": message}
+async def _fail(publisher: StreamPublisher, ending: Ending) -> dict[str, Any]:
+    log.info("job_failed", code=ending.code.value, reason=ending.message)
     if publisher.closed:  # the terminal event is out; a second one would break the contract
-        return failure
+        return ending.as_result()
     try:
-        event = await asyncio.shield(publisher.publish_error(code.value, message))
+        event = await asyncio.shield(
+            publisher.publish_error(ending.code.value, ending.message)
+        )
     except (StreamClosed, RedisAway):
-        return failure
+        return ending.as_result()
     return event.model_dump(mode="json")
 
 
@@ -237,8 +210,42 @@ def generated_tokens(output: Any, counted_so_far: int) -> int:
     return counted_so_far + len(output.outputs[0].token_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What one start of a chat asks the engine for."""
+
+    request: ChatRequest
+    #: The answer text a dead worker already streamed (a continued job), else "".
+    streamed: str
+    thinking: bool
+    #: The rendered chat, and the streamed answer's tokens that follow it in the prompt.
+    chat_prompt: list[int]
+    already: list[int]
+    #: Tokens the request may still generate (< 1: a continued answer used them all).
+    left: int
+    #: None: nothing left to generate, or no room left in the context for a continued answer.
+    params: SamplingParams | None
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.chat_prompt + self.already
+
+
+@dataclass
+class Answer:
+    """What the engine streamed for one start of a chat."""
+
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    completion_tokens: int = 0
+    first_token_s: float | None = None
+    finish_reason: str = "abort"
+    #: The think block's text, when thinking was on.
+    reasoning: str | None = None
+
+
 async def run_chat(
-    engine: ChatEngine,
+    engine: Engine,
     settings: WorkerSettings,
     metrics: WorkerMetrics,
     publisher: StreamPublisher,
@@ -249,111 +256,159 @@ async def run_chat(
     continued: int = 0,
 ) -> ChatResult:
     started_s = time.time()
-    request = parse_request(payload, settings)
-    streamed = "".join(event.text for event in earlier if isinstance(event, DeltaEvent))
-    if continued:
-        refuse_continuation(request, streamed)
-    # An answer under way goes on as an answer: no think block before the rest of it.
-    thinking = engine.thinking_enabled(request) and not streamed
-    tools = request.tools if request.tools_offered else None
-    chat_prompt = await engine.render(request.messages, enable_thinking=thinking, tools=tools)
-    already = await engine.encode(streamed) if streamed else []
-    prompt = chat_prompt + already
-    left = engine.max_tokens(request) - len(already)  # < 1: the answer so far used it all
-    params: SamplingParams | None = None
-    if left > 0:
-        try:
-            params = engine.sampling_params(request, len(prompt), already=len(already))
-        except PromptTooLong as error:
-            if not streamed:
-                raise JobRefused(ErrorCode.PROMPT_TOO_LONG, str(error)) from None
-            left = 0  # the answer so far fills the context: it ends here
-        except VLLMValidationError as error:
-            raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
-    labels = metrics.job_labels(request)
+    generation = await prepare_generation(engine, parse_request(payload, settings), earlier,
+                                          continued=continued)  # fmt: skip
+    request, labels = generation.request, metrics.job_labels(generation.request)
 
     def announce_start() -> None:
-        metrics.job_started(labels, queued_s=started_s - enqueued_s, prompt_tokens=len(prompt))
+        metrics.job_started(
+            labels, queued_s=started_s - enqueued_s, prompt_tokens=len(generation.prompt)
+        )
         log.info(
             "job_continued" if continued else "job_started",
             queued_ms=_ms_since(enqueued_s, started_s),
             priority=labels.priority,
             tenant=request.tenant,
-            prompt_tokens=len(prompt),
-            max_tokens=max(left, 0),
-            thinking=thinking,
+            prompt_tokens=len(generation.prompt),
+            max_tokens=max(generation.left, 0),
+            thinking=generation.thinking,
             **(
-                {"starts": continued + 1, "answer_tokens_so_far": len(already)} if continued else {}
+                {"starts": continued + 1, "answer_tokens_so_far": len(generation.already)}
+                if continued
+                else {}
             ),
             **({"messages": request.model_dump()["messages"]} if settings.log_content else {}),
         )
 
-    splitter = ReasoningSplitter(thinking=thinking)
-    answer_reader = engine.answer_reader(request)
-    answer: list[str] = []
-    logprobs: list[TokenLogprob] | None = [] if request.logprobs else None
-    completion_tokens = 0
-    first_token_s: float | None = None
-    last_tokens_s: float | None = None
-    finish_reason = "abort" if left > 0 else "length"
-    # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
-    outputs = (
-        engine.generate(prompt, params, publisher.job_id, priority=request.priority)
-        if params
-        else _nothing()
-    )
     # The start's metrics and log line (~40 µs of the event loop together) wait until the loop is
     # next free, which is after every job of a claimed burst reached the engine: its first
-    # suspension is in the loop below (docs/benchmarks.md, "Where the milliseconds go").
+    # suspension is in stream_answer (docs/benchmarks.md, "Where the milliseconds go").
     with sooner_or_on_exit(announce_start):
-        async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
-            async for output in outputs:
-                completion = output.outputs[0]
-                if completion.token_ids:
-                    now_s = time.time()
-                    first_token_s = first_token_s or now_s
-                    metrics.tokens_arrived(
-                        labels,
-                        len(completion.token_ids),
-                        gap_s=None if last_tokens_s is None else now_s - last_tokens_s,
-                        since_enqueue_s=now_s - enqueued_s,
-                    )
-                    last_tokens_s = now_s
-                completion_tokens = generated_tokens(output, completion_tokens)
-                if logprobs is not None:
-                    logprobs += token_logprobs(
-                        completion.token_ids, completion.logprobs, request.top_logprobs or 0
-                    )
-                text = answer_reader.feed(splitter.feed(completion.text))
-                answer.append(text)
-                await publisher.publish_text(text)
-                if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
-                    raise JobRefused(
-                        ErrorCode.CANCELLED,
-                        f"nobody listened to this job's stream for {settings.abandon_after_s:g} s "
-                        f"(EDGEQ_ABANDON_AFTER_S); generation was stopped",
-                    )
-                if output.finished:
-                    finish_reason = completion.finish_reason or finish_reason
+        answer, tool_calls = await stream_answer(
+            engine, generation, publisher, settings, metrics, labels, enqueued_s
+        )
+    return await finish_chat(
+        publisher, settings, generation, answer, tool_calls, continued=continued,
+        timings=Timings(
+            queued_ms=_ms_since(enqueued_s, started_s),
+            ttft_ms=_ms_since(enqueued_s, answer.first_token_s) if answer.first_token_s else None,
+            total_ms=_ms_since(enqueued_s, time.time()),
+        ),
+    )  # fmt: skip
 
-    held_back, tool_calls = answer_reader.finish()
-    if held_back:
-        answer.append(held_back)
-        await publisher.publish_text(held_back)
-    if tool_calls:
-        finish_reason = "tool_calls"
-    finished_s = time.time()
-    timings = Timings(
-        queued_ms=_ms_since(enqueued_s, started_s),
-        ttft_ms=_ms_since(enqueued_s, first_token_s) if first_token_s else None,
-        total_ms=_ms_since(enqueued_s, finished_s),
+
+async def prepare_generation(
+    engine: Engine, request: ChatRequest, earlier: Sequence[AnyEvent], *, continued: int
+) -> Generation:
+    """Render the chat (and a continued answer's streamed part) and build its SamplingParams;
+    raises JobRefused for what the request or the engine's context cannot take."""
+    streamed = "".join(event.text for event in earlier if isinstance(event, DeltaEvent))
+    if continued:
+        refuse_continuation(request, streamed)
+    rules = engine.rules
+    # An answer under way goes on as an answer: no think block before the rest of it.
+    thinking = rules.thinking_enabled(request) and not streamed
+    tools = request.tools if request.tools_offered else None
+    chat_prompt = await engine.render(request.messages, enable_thinking=thinking, tools=tools)
+    already = await engine.encode(streamed) if streamed else []
+    left = rules.max_tokens(request) - len(already)
+    params: SamplingParams | None = None
+    if left > 0:
+        try:
+            params = rules.sampling_params(
+                request, len(chat_prompt) + len(already), already=len(already)
+            )
+        except PromptTooLong as error:
+            if not streamed:
+                raise JobRefused(ErrorCode.PROMPT_TOO_LONG, str(error)) from None
+            # the answer so far fills the context: it ends here
+        except VLLMValidationError as error:
+            raise JobRefused(ErrorCode.INVALID_REQUEST, f"invalid request: {error}") from None
+    return Generation(request, streamed, thinking, chat_prompt, already, left, params)
+
+
+async def stream_answer(
+    engine: Engine,
+    generation: Generation,
+    publisher: StreamPublisher,
+    settings: WorkerSettings,
+    metrics: WorkerMetrics,
+    labels: JobLabels,
+    enqueued_s: float,
+) -> tuple[Answer, list[Any] | None]:
+    """Generate and publish the answer's deltas; the answer and its tool calls, if any."""
+    request = generation.request
+    splitter = ReasoningSplitter(thinking=generation.thinking)
+    reader = engine.answer_reader(request)
+    answer = Answer(
+        logprobs=[] if request.logprobs else None,
+        finish_reason="abort" if generation.params else "length",
     )
+    last_tokens_s: float | None = None
+    outputs = (
+        engine.generate(generation.prompt, generation.params, publisher.job_id,
+                        priority=request.priority)
+        if generation.params
+        else _nothing()
+    )  # fmt: skip
+    # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
+    async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
+        async for output in outputs:
+            completion = output.outputs[0]
+            if completion.token_ids:
+                now_s = time.time()
+                answer.first_token_s = answer.first_token_s or now_s
+                gap_s = None if last_tokens_s is None else now_s - last_tokens_s
+                metrics.tokens_arrived(labels, len(completion.token_ids), gap_s=gap_s,
+                                       since_enqueue_s=now_s - enqueued_s)  # fmt: skip
+                last_tokens_s = now_s
+            answer.completion_tokens = generated_tokens(output, answer.completion_tokens)
+            if answer.logprobs is not None:
+                answer.logprobs += token_logprobs(
+                    completion.token_ids, completion.logprobs, request.top_logprobs or 0
+                )
+            text = reader.feed(splitter.feed(completion.text))
+            answer.parts.append(text)
+            await publisher.publish_text(text)
+            _refuse_if_unheard(publisher, settings)
+            if output.finished:
+                answer.finish_reason = completion.finish_reason or answer.finish_reason
+    held_back, tool_calls = reader.finish()
+    if held_back:
+        answer.parts.append(held_back)
+        await publisher.publish_text(held_back)
+    answer.reasoning = splitter.reasoning
+    return answer, tool_calls
+
+
+def _refuse_if_unheard(publisher: StreamPublisher, settings: WorkerSettings) -> None:
+    if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
+        raise JobRefused(
+            ErrorCode.CANCELLED,
+            f"nobody listened to this job's stream for {settings.abandon_after_s:g} s "
+            f"(EDGEQ_ABANDON_AFTER_S); generation was stopped",
+        )
+
+
+async def finish_chat(
+    publisher: StreamPublisher,
+    settings: WorkerSettings,
+    generation: Generation,
+    answer: Answer,
+    tool_calls: list[Any] | None,
+    *,
+    continued: int,
+    timings: Timings,
+) -> ChatResult:
+    """Publish the done event; the job's result."""
+    request = generation.request
+    finish_reason = "tool_calls" if tool_calls else answer.finish_reason
     # A continued answer counts the tokens of the text it already had (re-encoded: the
     # dead worker's own count died with it) and reports the chat's prompt alone.
     usage = Usage(
-        prompt_tokens=len(chat_prompt), completion_tokens=len(already) + completion_tokens
+        prompt_tokens=len(generation.chat_prompt),
+        completion_tokens=len(generation.already) + answer.completion_tokens,
     )
-    reasoning = splitter.reasoning if request.return_reasoning and thinking else None
     done = await publisher.publish_done(
         DoneEvent(
             job_id=publisher.job_id,
@@ -361,17 +416,18 @@ async def run_chat(
             finish_reason=finish_reason,
             usage=usage,
             timings=timings,
-            reasoning=reasoning,
+            reasoning=answer.reasoning if request.return_reasoning and generation.thinking
+            else None,
             tool_calls=tool_calls,
-            logprobs=logprobs,
+            logprobs=answer.logprobs,
             continued=continued or None,
         )
-    )
-    text = streamed + "".join(answer)  # the whole answer, a continued one's earlier part too
+    )  # fmt: skip
+    text = generation.streamed + "".join(answer.parts)  # a continued answer's earlier part too
     log.info(
         "job_done",
         finish_reason=finish_reason,
-        completion_tokens=completion_tokens,
+        completion_tokens=answer.completion_tokens,
         tool_calls=len(tool_calls) if tool_calls else None,
         ttft_ms=timings.ttft_ms,
         total_ms=timings.total_ms,

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
-from edgeq.core.cluster import is_cluster_url
 from edgeq.core.logs import LogLevel
 from edgeq.core.scheduling import TENANT_PATTERN, Tenancy
 from edgeq.core.settings import ConnectionSettings
@@ -110,7 +109,6 @@ class WorkerSettings(ConnectionSettings):
     enable_chunked_prefill: bool = True
     max_jobs: int | None = Field(None, ge=1)
     poll_delay_ms: float = Field(250.0, gt=0, le=1000)
-    fast_pickup: bool = True
 
     # Knob 3: paged KV cache.
     block_size: int | None = Field(None, ge=16, multiple_of=16)
@@ -203,24 +201,10 @@ class WorkerSettings(ConnectionSettings):
         for tenant, cap in self.tenant_max_queued.items():
             if cap != int(cap) or cap < 1:
                 raise ValueError(f"EDGEQ_TENANT_MAX_QUEUED: {tenant}'s cap is not a count > 0")
-        if self.tenant_max_queued and not self.fast_pickup:
-            raise ValueError(
-                "EDGEQ_TENANT_MAX_QUEUED needs EDGEQ_FAST_PICKUP=true: arq's own pickup does "
-                "not count a tenant's jobs out of the queue"
-            )
         if self.reserved_slots is not None and self.reserved_slots >= self.arq_max_jobs:
             raise ValueError(
                 f"EDGEQ_RESERVED_SLOTS ({self.reserved_slots}) must be below "
                 f"EDGEQ_MAX_JOBS ({self.arq_max_jobs}), or no batch job could ever run"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _cluster_needs_fast_pickup(self) -> WorkerSettings:
-        if is_cluster_url(self.redis_url) and not self.fast_pickup:
-            raise ValueError(
-                "EDGEQ_FAST_PICKUP=false cannot run on a Redis Cluster: arq's own job start "
-                "takes jobs out of arq's abort set, which lives outside the queue's slot"
             )
         return self
 

@@ -24,7 +24,6 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
 - ``{queue}:outcomes:{minute}``: hash, outcome -> jobs that ended that minute;
 - ``{queue}:tenancy``, ``{queue}:fair``, ``{queue}:tenant-of``, ``{queue}:queued-by-tenant``
   and ``{queue}:aging``: priority classes and tenants' fair shares (core/scheduling.py);
-- ``{queue}:health-check:{worker id}``: arq's health record, one per worker;
 - ``{queue}:abort``: on a Redis Cluster only, arq's abort set for this queue (elsewhere arq's
   own ``arq:abort``, one set for every queue).
 """
@@ -120,11 +119,6 @@ def outcomes_key(queue: str, now_s: float) -> str:
     return f"{queue}:outcomes:{int(now_s // OUTCOME_BUCKET_S)}"
 
 
-def health_check_key(queue: str, worker_id: str) -> str:
-    """arq's health record for one worker (arq's default key is shared by all workers)."""
-    return f"{queue}:health-check:{worker_id}"
-
-
 def tenancy_key(queue: str) -> str:
     """A hash per queue: the tenants' weights and caps and the aging time, as the workers
     last published them (core/scheduling.py)."""
@@ -155,5 +149,5 @@ def aging_key(queue: str) -> str:
 def cluster_abort_set_key(queue: str) -> str:
     """arq's abort set for one queue on a Redis Cluster: arq's own ``arq:abort`` serves every
     queue and lives in a slot of its own, which arq's transactions cannot reach from the
-    queue's (worker/pickup.py)."""
+    queue's (worker/claim.py)."""
     return f"{queue}:abort"
