@@ -11,6 +11,8 @@ that contract here, with arq's public functions and key constants only:
 - its end: one transaction removes everything ``Job.status()`` reads as queued or in
   progress (the queue entry, ``arq:in-progress:<id>``, ``arq:job:<id>``, ``arq:retry:<id>``,
   a pending abort) and writes the result, so the status goes from in progress to complete;
+- its claim: the claim script (worker/claim.py) sets ``arq:in-progress:<id>``, counts the start
+  in ``arq:retry:<id>`` and reads ``arq:job:<id>``, with the prefixes given here;
 - aborts: arq's ``Job.abort`` adds the id to ``arq:abort`` (on a Redis Cluster the queue's
   own set, core/keys.py); the claim takes an abort that waits for a queued job
   (worker/claim.py), ``take_aborts`` those of running jobs.
@@ -24,7 +26,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from arq.constants import abort_jobs_ss
+from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
 from arq.jobs import SerializationError, deserialize_job_raw, serialize_result
 from redis.asyncio import Redis
 
@@ -32,6 +34,10 @@ from edgeq.core.keys import in_progress_key, job_key, result_key, retry_key
 
 __all__ = [
     "ARQ_ABORT_SET",
+    "IN_PROGRESS_KEY_PREFIX",
+    "JOB_KEY_PREFIX",
+    "RETRY_KEY_PREFIX",
+    "START_COUNT_TTL_S",
     "JobRecord",
     "SerializationError",
     "finish_job",
@@ -42,6 +48,12 @@ __all__ = [
 
 #: arq's one abort set for every queue.
 ARQ_ABORT_SET = abort_jobs_ss
+#: arq's per-job key prefixes, for the claim script, which builds each job's keys from its id.
+IN_PROGRESS_KEY_PREFIX = in_progress_key_prefix
+JOB_KEY_PREFIX = job_key_prefix
+RETRY_KEY_PREFIX = retry_key_prefix
+#: How long arq keeps a job's start count (its retry key), as its ``run_job`` does.
+START_COUNT_TTL_S = 88_400
 
 Serializer = Callable[[Any], bytes]
 Deserializer = Callable[[bytes], Any]

@@ -11,12 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from arq.constants import (
-    abort_jobs_ss,
-    in_progress_key_prefix,
-    job_key_prefix,
-    retry_key_prefix,
-)
 from redis.asyncio import Redis
 
 from edgeq.core.keys import (
@@ -28,12 +22,17 @@ from edgeq.core.keys import (
     tenant_of_key,
 )
 from edgeq.core.scripts import lua_script
+from edgeq.worker.arq_seam import (
+    ARQ_ABORT_SET,
+    IN_PROGRESS_KEY_PREFIX,
+    JOB_KEY_PREFIX,
+    RETRY_KEY_PREFIX,
+    START_COUNT_TTL_S,
+)
 
 # Each claim moves up at most this many aged jobs (the rest wait for the next claim, one
 # poll later), so a backlog that ages all at once does not make one claim slow.
 AGING_BATCH = 64
-# arq's run_job keeps a job's start count (its retry key) this long.
-START_COUNT_TTL_S = 88_400
 
 # KEYS, ARGV and what it returns: lua/claim.lua. It writes leases on Redis's clock
 # (lua/clock.lua) and moves fair queuing and aging on (lua/fair_queuing.lua).
@@ -62,7 +61,7 @@ async def claim_due_jobs(
     ttl_ms: int,
     lease_ttl_ms: int,
     now_ms: int,
-    abort_set: str = abort_jobs_ss,
+    abort_set: str = ARQ_ABORT_SET,
 ) -> list[ClaimedJob]:
     """In one round trip, take up to ``wanted`` of the first ``scan_limit`` due jobs of the
     queue (score up to ``now_ms``), lowest score first: each one not taken (arq's in-progress
@@ -90,9 +89,9 @@ async def claim_due_jobs(
             ttl_ms,
             lease_ttl_ms,
             scan_limit,
-            in_progress_key_prefix,
-            job_key_prefix,
-            retry_key_prefix,
+            IN_PROGRESS_KEY_PREFIX,
+            JOB_KEY_PREFIX,
+            RETRY_KEY_PREFIX,
             START_COUNT_TTL_S,
             AGING_BATCH,
         ],

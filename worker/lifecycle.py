@@ -47,6 +47,7 @@ from edgeq.core.protocol import ErrorEvent
 from edgeq.core.tasks import cancel_and_wait
 from edgeq.worker.arq_seam import (
     ARQ_ABORT_SET,
+    START_COUNT_TTL_S,
     Deserializer,
     JobRecord,
     SerializationError,
@@ -56,7 +57,7 @@ from edgeq.worker.arq_seam import (
     result_record,
     take_aborts,
 )
-from edgeq.worker.claim import START_COUNT_TTL_S, ClaimedJob, claim_due_jobs
+from edgeq.worker.claim import ClaimedJob, claim_due_jobs
 from edgeq.worker.outcomes import Ending, NotStarted, not_started
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
