@@ -135,6 +135,26 @@ def _cached_wheelhouse() -> Path:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> object:
+    """A test given an ``edgeq worker`` process (the real vLLM engine) must be marked
+    ``engine``: ``make test-fast`` (``-m "not engine"``) must start no engine."""
+    result = yield
+    if item.get_closest_marker("engine") is None:
+        workers = sorted(
+            name
+            for name, value in getattr(item, "funcargs", {}).items()
+            if isinstance(value, WorkerProcess) and value.command == "worker"
+        )
+        if workers:
+            pytest.fail(
+                f"{item.nodeid} starts the engine ({', '.join(workers)}) but is not marked "
+                "engine: add pytestmark = pytest.mark.engine to its module",
+                pytrace=False,
+            )
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
     """A failed test's report ends with the last log lines of each worker and gateway process
     it used: a failure on CI, where those logs are gone with the machine, explains itself."""

@@ -22,6 +22,8 @@ from edgeq.producer.status import read_status, render_status
 from edgeq.testing.processes import RedisServer, WorkerProcess
 from tests.helpers import FULL_LENGTH_SEEDS, engine_env, frozen, ready_worker
 
+pytestmark = pytest.mark.engine
+
 QUEUE = "edgeq:test-priorities"
 LEASES = leases_key(QUEUE)
 MESSAGES = [{"role": "user", "content": "Say something."}]
