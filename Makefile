@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test lint system-deps venv clean
+.PHONY: demo test test-fast lint system-deps venv clean
 
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
@@ -15,6 +15,11 @@ TEST_PROCESSES ?= 2
 
 test: system-deps $(INSTALLED) lint  ## the whole suite against real Redis, arq and vLLM
 	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile
+
+# The tests that start no vLLM engine (nor build wheels or bundles; those are marked engine
+# too): about a minute and a half on a 2-core machine. Real Redis, arq, the CLI, settings.
+test-fast: system-deps $(INSTALLED) lint  ## everything but the engine tests, in under two minutes
+	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile -m "not engine"
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
