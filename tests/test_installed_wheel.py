@@ -25,6 +25,7 @@ from helpers import FIGURES, engine_env
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[1]
+SCHEMAS = REPO / "src/edgeq/core/schemas"
 PACKAGE_DATA = (
     "edgeq/py.typed",
     "edgeq/deploy/install.sh",
@@ -36,6 +37,8 @@ PACKAGE_DATA = (
     "edgeq/deploy/units/edgeq.target",
     # The Redis scripts (core/scripts.py reads them from the installed package).
     *(f"edgeq/core/lua/{lua.name}" for lua in sorted((REPO / "src/edgeq/core/lua").glob("*.lua"))),
+    # The wire contract's JSON Schemas (docs/reference/schemas.md: readable from the package).
+    *(f"edgeq/core/schemas/{schema.name}" for schema in sorted(SCHEMAS.glob("*.json"))),
 )
 
 
