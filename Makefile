@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint system-deps venv clean
+.PHONY: demo test test-fast lint docs docs-generate system-deps venv clean
 
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
@@ -21,6 +21,16 @@ test: system-deps $(INSTALLED) lint  ## the whole suite against real Redis, arq 
 test-fast: system-deps $(INSTALLED) lint  ## everything but the engine tests, in under two minutes
 	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile -m "not engine"
 
+# The docs site into site/. --strict: a broken link or anchor, or a page left out of the nav,
+# fails it. `make test` builds it too (tests/test_docs_blocks.py), and runs every example.
+docs: $(INSTALLED)  ## build the docs site (mkdocs.yml, docs/) into site/
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The references generated from the code: settings, command line, JSON Schemas (also shipped
+# in the package). A test fails while a committed one differs from what this makes.
+docs-generate: $(INSTALLED)  ## rewrite docs/reference/ and src/edgeq/core/schemas/ from the code
+	$(VENV)/bin/python -m edgeq.testing.docs
+
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 
@@ -34,4 +44,4 @@ $(INSTALLED): pyproject.toml scripts/setup-venv.sh
 	touch $@
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info
+	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info site
