@@ -11,7 +11,9 @@ One test per fenced block of docs/**/*.md and README.md that has something to ch
   The working directory is a fresh one whose entries link to the checkout's top level (so
   ``.venv/bin/edgeq`` and ``.env.example`` work, but a file an example writes stays there);
   ``edgeq`` and ``python3`` are this virtualenv's.
-- ``json`` blocks must parse.
+- ``json`` blocks must parse, and one that is a message of the wire contract (a stream event,
+  arq's result record, a job's request) must be valid for its pydantic model
+  (``edgeq.testing.docs.check_wire_json``).
 - A block without a language tag fails; a block with ``<!-- docs-test: skip: REASON -->`` on
   the line before its fence is skipped with that reason. Blocks in other languages (``text``,
   ``ini``, ``toml``, ...) are shown, not run, and get no test.
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from edgeq.testing.docs import CodeBlock, code_blocks, doc_pages
+from edgeq.testing.docs import CodeBlock, check_wire_json, code_blocks, doc_pages
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.engine
@@ -146,9 +148,11 @@ def test_example(block: CodeBlock, request: pytest.FixtureRequest, tmp_path: Pat
         pytest.skip(block.skip)
     if block.kind == "json":
         try:
-            json.loads(block.code)
+            check_wire_json(json.loads(block.code))
         except json.JSONDecodeError as error:
             pytest.fail(f"{block.id}: the json block does not parse: {error}", pytrace=False)
+        except ValueError as error:  # pydantic's ValidationError is one
+            pytest.fail(f"{block.id}: not what the wire contract sends: {error}", pytrace=False)
         return
     (tmp_path / "cwd").mkdir()
     run_example(block, request.getfixturevalue("box"), tmp_path / "cwd")

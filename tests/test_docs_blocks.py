@@ -76,6 +76,29 @@ def test_the_pages_read_are_the_docs_and_readme() -> None:
     assert "reference/settings.md" in names
 
 
+def test_json_blocks_that_are_wire_messages_are_checked_against_the_models() -> None:
+    done = {"job_id": "j", "seq": 2, "type": "done", "finish_reason": "stop",
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+            "timings": {"queued_ms": 1, "ttft_ms": 2, "total_ms": 3}}  # fmt: skip
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    result = {k: v for k, v in done.items() if k not in {"seq", "type"}} | {"text": "Hi"}
+    record = {"t": 1, "f": "chat", "a": [request], "k": {}, "et": 1, "s": True, "r": result,
+              "st": 2, "ft": 3, "q": "edgeq:queue", "id": "j"}  # fmt: skip
+    assert docs.check_wire_json(done) == "done event"
+    assert docs.check_wire_json(request) == "chat request"
+    assert docs.check_wire_json(record) == "arq result record"
+    assert docs.check_wire_json({"model": "m", "messages": []}) is None  # an OpenAI request
+    assert docs.check_wire_json([1, 2]) is None
+    for wrong in (
+        {**done, "seq": -1},
+        {**request, "temperature": 9},
+        {**record, "r": {"job_id": "j", "text": "no usage"}},  # r: the outcome, checked
+        {**record, "r": {**result, "outcome": "x"}, "s": False},
+    ):
+        with pytest.raises(ValueError):
+            docs.check_wire_json(wrong)
+
+
 # --- the pages' static rules (what test_docs.py checks without running anything) ------------
 
 
@@ -89,9 +112,11 @@ def test_every_block_is_tagged_every_marker_well_formed_every_json_block_parses(
                 problems.append(f"{block.id}: a fenced block without a language tag")
             elif block.kind == "json" and not block.skip:
                 try:
-                    json.loads(block.code)
+                    docs.check_wire_json(json.loads(block.code))
                 except json.JSONDecodeError as error:
                     problems.append(f"{block.id}: json that does not parse: {error}")
+                except ValueError as error:  # pydantic's ValidationError is one
+                    problems.append(f"{block.id}: not what the wire contract sends: {error}")
     assert problems == []
 
 

@@ -115,6 +115,38 @@ def code_blocks(text: str, page: str) -> list[CodeBlock]:
     return blocks
 
 
+#: The keys of arq's result record (``arq:result:{job_id}``): its envelope, the outcome under r.
+ARQ_RESULT_KEYS = frozenset({"t", "f", "a", "k", "et", "s", "r", "st", "ft", "q", "id"})
+
+
+def check_wire_json(value: Any) -> str | None:
+    """Check a json block's value against the wire contract's models when it is one of its
+    messages: a stream event (``job_id`` and a ``type`` of delta, done or error), arq's result
+    record (its envelope's keys: the request under ``a``, the outcome under ``r``) or a job's
+    request (``messages`` and no ``model``, which an OpenAI request has). Returns what it was
+    checked as (None: not a wire message); raises pydantic's ValidationError or ValueError."""
+    if not isinstance(value, dict):
+        return None
+    if set(value) == ARQ_RESULT_KEYS:
+        (request,) = value["a"]
+        protocol.ChatRequest.model_validate(request)
+        outcome = value["r"]
+        if value["s"] is True and "text" in outcome:
+            protocol.ChatResult.model_validate(outcome)
+        elif "job_id" in outcome:
+            protocol.ErrorEvent.model_validate(outcome)
+        elif set(outcome) - {"type", "code", "message", "exception"}:
+            raise ValueError(f"r holds neither a result nor an error: {sorted(outcome)}")
+        return "arq result record"
+    if "job_id" in value and value.get("type") in {"delta", "done", "error"}:
+        protocol.decode_event(json.dumps(value))
+        return f"{value['type']} event"
+    if "messages" in value and "model" not in value:
+        protocol.ChatRequest.model_validate(value)
+        return "chat request"
+    return None
+
+
 def doc_pages(repo: Path) -> list[tuple[str, Path]]:
     """(name, path) of every page the docs test reads: docs/**/*.md and README.md."""
     docs = repo / "docs"
