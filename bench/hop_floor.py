@@ -10,7 +10,7 @@ publishes the wake) and waits for that token on its own pub/sub connection. Betw
 client pauses ``--pause-ms`` (a 16-token chat's stream on the simulated GPU), so every process
 is idle when the next chat starts, as in `edgeq bench --users 1`. Prints, per round, the time
 from the enqueue to the token beyond the worker's own sleep: median [p10-p90]. What edgeq adds
-to a chat's TTFT over the engine's own, less this, is its software. docs/benchmarks.md states
+to a chat's TTFT over the engine's own, less this, is its software. docs/performance.md states
 its figure; tests/test_bench_hop_floor.py runs it briefly.
 """
 

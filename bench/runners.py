@@ -156,7 +156,8 @@ async def run_users(
     schedule = user_schedule(len(workload.requests), users)
     # Everything alive now (the tokenizer, vLLM's modules, a direct engine) outlives the run:
     # frozen, no full collection walks it during the measurement. Unfrozen, this process's
-    # full collections took 100-680 ms (the client of every mode; docs/benchmarks-history.md).
+    # full collections took 150-680 ms (the client of every mode, on a 2-vCPU machine,
+    # 2026-12-05).
     gc.collect()
     gc.freeze()
     if progress is not None:

@@ -278,8 +278,8 @@ class HeapProbe:
 
 async def test_what_lives_before_a_run_is_frozen_while_it_is_measured(tiny_model: Path) -> None:
     # The bench's process holds the tokenizer (and in direct mode vLLM): a full collection of
-    # it (150-680 ms) in the middle of a mode pauses every request in flight
-    # (docs/benchmarks-history.md).
+    # it (150-680 ms on a 2-vCPU machine, 2026-12-05) in the middle of a mode pauses every
+    # request in flight.
     workload = the_workload(tiny_model)
     probe = HeapProbe()
     run = await run_users(probe, workload, USERS)

@@ -1,4 +1,4 @@
-"""``python -m edgeq.bench.hop_floor``, the raw-socket floor docs/benchmarks.md cites, still runs
+"""``python -m edgeq.bench.hop_floor``, the raw-socket floor docs/performance.md states, still runs
 and measures what it says: a few chats, Redis only, no engine."""
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def test_the_warm_worker_hides_its_start_up_heap_from_the_garbage_collector(
     worker: WorkerProcess,
 ) -> None:
     """A full collection walking vLLM's and torch's ~700k start-up objects stops every stream
-    for ~0.3 s (docs/benchmarks-history.md); frozen before serving, it walks only what
+    for ~0.3 s (on a 2-vCPU machine, 2026-12-04); frozen before serving, it walks only what
     serving made."""
     (ready,) = [event for event in worker.log_events() if event.get("event") == "worker_ready"]
     assert ready["gc_frozen_objects"] > 100_000

@@ -66,8 +66,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # Seed knob 5: same total time; 50 ms sends fewer messages, more cycles go to the engine.
         "stream_interval_ms": 50.0,
         # Seed knob 5: an engine output per 4 tokens took a fifth to a third of the worker's CPU
-        # off the seed's burst (docs/benchmarks-history.md): a full batch is where per-output
-        # work adds up.
+        # off the seed's burst (24-26 -> 18-19 % of a core, the tiny model on a 2-vCPU machine,
+        # 2026-12-02): a full batch is where per-output work adds up.
         "stream_tokens": 4,
     },
     "edge-small": {
@@ -151,7 +151,8 @@ class WorkerSettings(ConnectionSettings):
     # How the worker runs.
     # How many steps nicer (lower CPU priority) the engine's processes run than the worker, so
     # the worker's event loop is not kept waiting for a core behind them (worker/vllm_plugin.py;
-    # measured in docs/benchmarks-history.md); 0: the same priority.
+    # at 10 a burst's queue wait p50 fell from 128-165 to 77-88 ms with no tok/s lost, the tiny
+    # model on a 2-vCPU machine, 2026-12-01); 0: the same priority.
     engine_nice: int = Field(10, ge=0, le=19)
     job_timeout_s: float = Field(300.0, gt=0)
     # How long a running chat rides out Redis being away (a restart, a failover) before the
