@@ -24,8 +24,10 @@ the generated references' drift tests: tests/test_docs_blocks.py, no engine).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -109,27 +111,39 @@ def run_example(
     script = directory.parent / ("example.py" if block.kind == "python" else "example.sh")
     script.write_text(code)
     command = [sys.executable, str(script)] if block.kind == "python" else ["bash", "-e", script]
-    try:
-        completed = subprocess.run(
+    # In a session of its own: whatever the example leaves running in the background (a
+    # `cmd &`) is ended with it, and a timeout ends the whole example. Output goes to files, so
+    # a background process holding it open does not hold up the test.
+    out, err = directory.parent / "stdout", directory.parent / "stderr"
+    with out.open("w") as stdout_file, err.open("w") as stderr_file:
+        process = subprocess.Popen(
             command,
             cwd=checkout_view(directory),
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=EXAMPLE_TIMEOUT_S,
+            stdout=stdout_file,
+            stderr=stderr_file,
             stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired as expired:
+    try:
+        process.wait(timeout=EXAMPLE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    stdout, stderr = out.read_text()[-4000:], err.read_text()[-4000:]
+    if process.returncode == -signal.SIGKILL:
         pytest.fail(
             f"{block.id}: the example ran past {EXAMPLE_TIMEOUT_S} s (examples must finish "
-            f"well under a minute)\n--- stdout\n{expired.stdout}\n--- stderr\n{expired.stderr}",
+            f"well under a minute)\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
             pytrace=False,
         )
-    if completed.returncode != 0:
+    if process.returncode != 0:
         pytest.fail(
-            f"{block.id}: the {block.language} example exited with {completed.returncode}\n"
-            f"--- as run\n{code}--- stdout\n{completed.stdout[-4000:]}\n"
-            f"--- stderr\n{completed.stderr[-4000:]}",
+            f"{block.id}: the {block.language} example exited with {process.returncode}\n"
+            f"--- as run\n{code}--- stdout\n{stdout}\n--- stderr\n{stderr}",
             pytrace=False,
         )
 
