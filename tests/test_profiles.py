@@ -1,8 +1,8 @@
 """EDGEQ_PROFILE: presets fill the knobs nobody set; anything set explicitly wins.
 
-The expected values are stated here (README's table, "### Profiles", states the same and is
-checked against them), never read from ``PROFILES``: a changed preset fails until the test and
-the README say so too.
+The expected values are stated here (the docs' table, docs/configuration.md "## Profiles",
+states the same and is checked against them), never read from ``PROFILES``: a changed preset
+fails until the test and the docs say so too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from edgeq.core.errors import ConfigError
 from edgeq.core.settings import load_settings
 from edgeq.worker.settings import PROFILES, WorkerSettings
 
-README = Path(__file__).parent.parent / "README.md"
+# The profile table moved from README to the docs site (#32).
+CONFIGURATION = Path(__file__).parent.parent / "docs" / "configuration.md"
 
 #: What each profile sets; every other knob keeps its default.
 EXPECTED: dict[str, dict[str, Any]] = {
@@ -151,8 +152,8 @@ def cell_value(cell: str) -> bool | float:
 
 
 def readme_profiles() -> dict[str, dict[str, Any]]:
-    """README's profile table: a column per profile, a row per knob, "–" for the default."""
-    section = README.read_text().split("### Profiles", 1)[1].split("\n#", 1)[0]
+    """The docs' profile table: a column per profile, a row per knob, "–" for the default."""
+    section = CONFIGURATION.read_text().split("\n## Profiles\n", 1)[1].split("\n#", 1)[0]
     rows = [
         [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
         for line in section.splitlines()
@@ -168,5 +169,5 @@ def readme_profiles() -> dict[str, dict[str, Any]]:
     return table
 
 
-def test_readme_states_every_profile_as_the_tests_expect() -> None:
+def test_the_docs_state_every_profile_as_the_tests_expect() -> None:
     assert readme_profiles() == EXPECTED
