@@ -33,6 +33,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import structlog
@@ -211,11 +212,18 @@ class JobLoop:
         for job in claimed:
             task = asyncio.create_task(self._run(job))
             self.running[job.job_id] = task
-            task.add_done_callback(lambda _, job_id=job.job_id: self._job_ended(job_id))
+            task.add_done_callback(partial(self._job_ended, job.job_id))
 
-    def _job_ended(self, job_id: str) -> None:
+    def _job_ended(self, job_id: str, task: asyncio.Task[None]) -> None:
         self.running.pop(job_id, None)
         self._work.set()  # a slot came free: take what waits for it
+        # A Redis call of the loop's own failed (arq's records, or a not-started job's error
+        # event): the job keeps its lease, whose expiry hands it over or ends it (core/leases.py).
+        # Said here, where it is known, not as "exception never retrieved" at exit.
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.warning(
+                "job_records_unfinished", job_id=job_id, error=f"{type(error).__name__}: {error}"
+            )
 
     async def _run(self, job: ClaimedJob) -> None:
         """Start one claimed job, run it and finish it."""
