@@ -1,9 +1,10 @@
-"""The arq job: run one chat on the warm engine and publish its events.
+"""The chat job: run one chat on the warm engine and publish its events.
 
 Every path out of ``chat`` publishes exactly one terminal event: ``done`` with usage and
-timings, or ``error`` with a stable code. The same terminal outcome is the arq job result.
+timings, or ``error`` with a stable code (worker/outcomes.py). The same terminal outcome is
+the job's arq result (worker/arq_seam.py).
 
-A job arq starts for the second time was handed over after its worker died
+A job the loop starts for the second time was handed over after its worker died
 (core/leases.py): its stream already holds what the dead worker published. It is continued:
 the prompt is the chat plus the answer text streamed so far, and its new text follows the
 old in the same stream, under the next ``seq``. What cannot be continued from the middle (a

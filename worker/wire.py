@@ -1,9 +1,10 @@
 """The worker's side of arq serialization: the trust boundary for whatever sits in Redis.
 
-arq hands every raw job to ``load_job`` before it looks up the function. Anything that is not
-a well-formed JSON chat job (pickle, garbage, another function name) still becomes a call to
-``chat``, carrying the reason it is unusable, so the job ends with an ``error`` event on its
-stream instead of a failure that only arq's log would know about. Nothing is ever unpickled.
+The job loop hands every raw job to ``load_job`` (worker/arq_seam.py, ``read_job``). Anything
+that is not a well-formed JSON chat job (pickle, garbage, another function name) still becomes
+a call to ``chat``, carrying the reason it is unusable, so the job ends with an ``error`` event
+on its stream naming the problem instead of a failure only a log would know about. Nothing is
+ever unpickled.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class JobPayload:
         return DEFAULT_TENANT
 
     def __repr__(self) -> str:
-        # arq logs the job's arguments; a prompt must never reach the log that way.
+        # Whatever logs the job's arguments, a prompt must never reach the log that way.
         state = "unreadable" if self.problem else "chat request"
         return f"<{state}, {self.size} bytes>"
 
@@ -60,7 +61,8 @@ def _job(payload: JobPayload, job_try: Any = None, enqueued_ms: Any = None) -> d
 
 
 def load_job(raw: bytes) -> dict[str, Any]:
-    """arq's ``job_deserializer`` in the worker. Never raises, never unpickles."""
+    """The worker's job deserializer (arq's ``job_deserializer``). Never raises, never
+    unpickles."""
     size = len(raw)
 
     def unusable(problem: str) -> dict[str, Any]:
@@ -90,5 +92,6 @@ def _worker_json_default(value: Any) -> Any:
 
 
 def dump_json(value: Any) -> bytes:
-    """arq's ``job_serializer`` in the worker (results keep the job's arguments too)."""
+    """The worker's result serializer (arq's ``job_serializer``: results keep the job's
+    arguments too)."""
     return json.dumps(value, default=_worker_json_default, separators=(",", ":")).encode()
