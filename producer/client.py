@@ -183,7 +183,10 @@ class ChatJob:
             if event.seq <= self._last_seq:
                 continue  # already seen (a replayed event arriving live too)
             if event.seq > self._last_seq + 1:
-                await self._backfill()  # events were missed: the replay buffer has them
+                # Events were missed: the replay buffer has them. Redis away for that read
+                # (a restart: the live event came on a connection made before the outage)
+                # is survived like any replay: tried again on the next event or silence.
+                await self._replay()
                 continue
             # Events go out in seq order, so all before this one were seen: none was missed
             # (and Redis is there).

@@ -189,6 +189,38 @@ async def test_a_submitted_stream_whose_first_event_was_missed_fills_it_from_the
     assert "".join(e.text for e in events if isinstance(e, DeltaEvent)) == "ab"
 
 
+async def test_a_gap_found_while_redis_is_away_is_filled_once_it_is_back(
+    named_client: ChatClient, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During a Redis restart a live event can arrive on a connection made before the outage
+    while the read of the replay buffer for the events it skipped still fails. The stream
+    rides that out, as a waiting client rides out any outage until EDGEQ_STREAM_TIMEOUT_S,
+    instead of raising RedisUnavailable to its caller: one way a stream did so (issue #34)."""
+    failures = 2
+    real_read_events = client_module.read_events
+
+    async def read_events_after_an_outage(*args: object, **kwargs: object) -> object:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1. Connection refused.")
+        return await real_read_events(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "read_events", read_events_after_an_outage)
+    job_id = uuid.uuid4().hex
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="a"))  # missed by the client
+    job = await follow(named_client, job_id, submitted=True)
+    reader = asyncio.create_task(collect(job))
+    await asyncio.sleep(0.2)  # the subscription is in effect: the rest arrives live
+    await worker_side.append(DeltaEvent(job_id=job_id, seq=0, text="b"))  # a gap: seq 0 is missing
+    await worker_side.append(done(job_id))
+    events = await asyncio.wait_for(reader, timeout=20)
+    assert failures == 0  # the buffer was read while "Redis was away", and failed
+    assert_intact(events, job_id)
+    assert "".join(e.text for e in events if isinstance(e, DeltaEvent)) == "ab"
+
+
 async def test_submitted_streams_that_missed_nothing_never_read_the_replay_buffer(
     named_client: ChatClient, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
