@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.commands": ("chat", "watch", "cancel", "status"),
     "edgeq.gateway.commands": ("gateway",),
     "edgeq.worker.commands": ("worker",),
-    "edgeq.testing.commands": ("make-tiny-model",),
+    "edgeq.testing.commands": ("make-tiny-model", "chaos"),
     "edgeq.deploy.commands": ("bundle",),
     "edgeq.bench.commands": ("bench", "tune", "capacity", "simulate-box"),
 }

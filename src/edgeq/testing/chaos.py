@@ -1,0 +1,1012 @@
+"""``edgeq chaos``: a chaos campaign the project runs on itself (issue #34).
+
+One run starts its own redis-server (append-only file on, as the installer configures it), N
+workers on one model under a small supervisor that restarts a dead worker after
+RESTART_DELAY_S (systemd's ``Restart=always``), optionally the gateway, and then, for
+``duration_s``:
+
+- keeps K chats in flight, a seeded mix of kinds (``JOB_KINDS``) over several tenants and
+  priority classes, through the Python client (and the gateway's HTTP API with ``--gateway``);
+- injects a seeded schedule of faults, one at a time (``FAULT_KINDS``): worker SIGKILL, worker
+  SIGSTOP past its lease, Redis restart (SIGTERM or SIGKILL, same port and data), Redis away
+  past the workers' outage limit, gateway SIGKILL.
+
+Every accepted job is then checked against docs/guarantees.md (``check_job``): one terminal
+event, ``seq`` gap-free and unrepeated, the live stream equal to the replay buffer, arq's
+result text equal to the deltas, a JSON answer that stopped parses, and a reader that never
+got RedisUnavailable. At the end nothing may stay queued or leased, no engine process may
+outlive its worker, and no engine socket directory may be left. The report (``Report``) counts
+jobs and refusals, lists each problem with the fault windows it overlapped, and gives TTFT
+inside and outside fault windows. The same seed gives the same fault schedule and the same
+sequence of jobs; what the machine's timing makes of them varies.
+
+Imports psutil-free on purpose: a worker is frozen with ``killpg`` (its engine processes are
+in its process group), so the command runs from a plain ``edgeq[cpu]`` install.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from arq.constants import in_progress_key_prefix
+
+from edgeq.core.connection import redis_errors
+from edgeq.core.errors import (
+    EdgeqError,
+    JobTimeout,
+    QueueFull,
+    RedisUnavailable,
+    StreamBroken,
+)
+from edgeq.core.events import read_events
+from edgeq.core.keys import leases_key, result_key
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.testing.processes import (
+    DEFAULT_READY_TIMEOUT_S,
+    GatewayProcess,
+    RedisServer,
+    WorkerFailed,
+    WorkerProcess,
+    tiny_model_env,
+)
+
+# --- knobs -------------------------------------------------------------------------------------
+
+#: A dead worker (or gateway) is started again after this long, like systemd's RestartSec.
+RESTART_DELAY_S = 2.0
+#: The workers' and clients' EDGEQ_LEASE_TTL_S: short, so take-overs happen within a short
+#: campaign, long enough that two busy engines on two cores are not mistaken for dead ones
+#: (tests/chaos/test_guarantees.py's BUSY_LEASE_TTL_S).
+DEFAULT_LEASE_TTL_S = 5.0
+#: The workers' EDGEQ_REDIS_OUTAGE_S: an outage past it makes them give their chats up.
+DEFAULT_OUTAGE_LIMIT_S = 8.0
+#: After a fault ends, jobs are still "in its window" this long (take-overs, reconnects).
+RECOVERY_S = 5.0
+#: When load ends, how long the jobs still running get to end (a client rides out up to
+#: EDGEQ_STREAM_TIMEOUT_S of silence, so longer than that).
+LANES_DRAIN_S = 240.0
+#: Then how long the queue and the leases get to empty before what is left is a problem.
+QUIET_DRAIN_S = 60.0
+#: How long a check waits for Redis (it may be in a fault window) before giving up.
+REDIS_PATIENCE_S = 90.0
+#: arq's result is written just after the done event: how long to look for it.
+RESULT_WAIT_S = 5.0
+#: A refused submit backs off this long, so an outage is no busy loop.
+REFUSED_BACKOFF_S = 0.5
+#: Engine processes must be gone this long after their workers stopped.
+ENGINE_GONE_S = 30.0
+#: The gaps between faults, and when the first comes (seconds after load started).
+FAULT_GAP_S = (6.0, 12.0)
+FIRST_FAULT_S = 5.0
+#: The last share of the campaign has no fault starting in it: the box settles under load.
+QUIET_TAIL = 0.15
+#: Settings for the tiny model on a 2-core machine (tests/helpers.py engine_env).
+TINY_ENGINE_ENV = {"EDGEQ_MAX_MODEL_LEN": "1024", "EDGEQ_MAX_NUM_BATCHED_TOKENS": "128"}
+QUEUE = "edgeq:chaos"
+#: A seed that draws no end-of-turn token for hundreds of tokens on the tiny model
+#: (tests/helpers.py FULL_LENGTH_SEEDS): a "long" chat is really long.
+LONG_SEED = 10
+
+FAULT_KINDS = ("kill_worker", "stop_worker", "restart_redis", "redis_outage", "kill_gateway")
+JOB_KINDS = ("plain", "long", "json", "tool", "cancel", "deadline")
+#: Error codes a job may end with under faults (docs/guarantees.md); any other is a problem.
+EXPECTED_CODES = {
+    "cancel": {"cancelled", "expired", "worker_lost"},
+    "deadline": {"expired", "worker_lost"},
+}
+DEFAULT_EXPECTED_CODES = {"expired", "worker_lost"}
+TENANTS = ("alpha", "beta", "gamma")
+PRIORITIES = ("interactive", "default", "batch")
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 24}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+# --- the seeded plan: faults and jobs ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault: what, when (seconds after load started), for how long, on what."""
+
+    kind: str
+    at_s: float
+    hold_s: float
+    #: Picks the victim among the workers ready at the time (index modulo their number).
+    target: int = 0
+    #: The signal for a Redis restart (SIGTERM: a clean shutdown; SIGKILL: none).
+    how: str = ""
+
+
+def fault_hold_s(kind: str, rng: random.Random, lease_ttl_s: float, outage_s: float) -> float:
+    """How long a fault of ``kind`` lasts: a stopped worker stays stopped past its lease (so
+    its jobs are handed over), Redis stays away past the outage limit for ``redis_outage``."""
+    if kind == "stop_worker":
+        return rng.uniform(1.5 * lease_ttl_s + 1, 2.5 * lease_ttl_s + 1)
+    if kind == "restart_redis":
+        return rng.uniform(0.5, 3.0)
+    if kind == "redis_outage":
+        return rng.uniform(outage_s + 2, outage_s + 5)
+    return 0.0  # a kill is instant; the supervisor restarts the process
+
+
+def fault_schedule(
+    seed: int,
+    duration_s: float,
+    kinds: Sequence[str],
+    *,
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+    outage_s: float = DEFAULT_OUTAGE_LIMIT_S,
+) -> list[Fault]:
+    """The campaign's faults, one after another: first each kind once (in a seeded order, so
+    even a short campaign has them all), then seeded picks until the quiet tail."""
+    rng = random.Random(f"faults:{seed}")
+    first_round = rng.sample(list(kinds), len(kinds))
+    faults: list[Fault] = []
+    at = FIRST_FAULT_S
+    for index in itertools.count():
+        kind = first_round[index] if index < len(first_round) else rng.choice(list(kinds))
+        hold = round(fault_hold_s(kind, rng, lease_ttl_s, outage_s), 2)
+        if index >= len(first_round) and at + hold > duration_s * (1 - QUIET_TAIL):
+            break
+        how = rng.choice(("SIGTERM", "SIGKILL")) if kind == "restart_redis" else ""
+        faults.append(Fault(kind, round(at, 2), hold, rng.randrange(1000), how))
+        at += hold + rng.uniform(*FAULT_GAP_S)
+    return faults
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One chat of the workload: its kind, the submit fields, and what the driver does."""
+
+    index: int
+    kind: str
+    prompt: str
+    fields: dict[str, Any]
+    #: Seconds after the first delta at which the driver cancels (kind ``cancel``).
+    cancel_after_s: float | None = None
+    via_gateway: bool = False
+
+
+def job_spec(seed: int, index: int, *, gateway: bool = False) -> JobSpec:
+    """The workload's ``index``-th job: the same for the same seed, whichever driver lane
+    takes it."""
+    rng = random.Random(f"jobs:{seed}:{index}")
+    kind = rng.choices(JOB_KINDS, weights=(30, 15, 15, 15, 10, 15))[0]
+    fields: dict[str, Any] = {
+        "tenant": rng.choice(TENANTS),
+        "priority": rng.choice(PRIORITIES),
+        "max_tokens": rng.randint(8, 24),
+    }
+    cancel_after_s = None
+    if kind in ("long", "cancel"):
+        fields |= {"max_tokens": rng.randint(150, 300), "seed": LONG_SEED}
+    elif kind == "json":
+        fields |= {
+            "max_tokens": 48,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "reply", "schema": ANSWER_SCHEMA},
+            },
+        }
+    elif kind == "tool":
+        fields |= {"max_tokens": 48, "tools": [WEATHER_TOOL]}
+    elif kind == "deadline":
+        fields["deadline_s"] = round(rng.uniform(0.2, 3.0), 2)
+    if kind == "cancel":
+        cancel_after_s = round(rng.uniform(0.0, 0.3), 3)
+    via_gateway = gateway and kind in ("plain", "long", "json") and rng.random() < 0.4
+    prompt = f"chaos {index}: {rng.choice(('hello', 'the sea', 'a lighthouse', 'weather'))}"
+    return JobSpec(index, kind, prompt, fields, cancel_after_s, via_gateway)
+
+
+# --- what happened to each job, and its checks -------------------------------------------------
+
+
+@dataclass
+class JobRecord:
+    """One accepted job as the driver saw it (times are seconds after load started)."""
+
+    spec: JobSpec
+    job_id: str
+    submitted_s: float
+    first_delta_s: float | None = None
+    ended_s: float | None = None
+    events: list[StreamEvent] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    #: The gateway's HTTP stream broke (its gateway was killed): not a problem by itself.
+    gateway_cut: bool = False
+
+    @property
+    def terminal(self) -> DoneEvent | ErrorEvent | None:
+        last = self.events[-1] if self.events else None
+        return last if isinstance(last, DoneEvent | ErrorEvent) else None
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, DeltaEvent))
+
+
+def check_events(events: Sequence[StreamEvent], job_id: str) -> list[str]:
+    """The stream's own guarantees: seq 0, 1, 2, ... once each, every event this job's, one
+    terminal event and it comes last."""
+    problems = []
+    seqs = [event.seq for event in events]
+    if seqs != list(range(len(seqs))):
+        problems.append(f"seq not gap-free and unrepeated: {seqs[:20]}")
+    if any(event.job_id != job_id for event in events):
+        problems.append("an event of another job in the stream")
+    terminals = [i for i, e in enumerate(events) if isinstance(e, DoneEvent | ErrorEvent)]
+    if len(terminals) != 1:
+        problems.append(f"{len(terminals)} terminal events")
+    elif terminals[0] != len(events) - 1:
+        problems.append("events after the terminal event")
+    return problems
+
+
+def check_outcome(record: JobRecord, result_text: str | None) -> list[str]:
+    """The ending fits the kind of job: an error code the guarantees allow, arq's result text
+    equal to the deltas, a JSON answer that stopped is JSON."""
+    terminal = record.terminal
+    kind = record.spec.kind
+    if isinstance(terminal, ErrorEvent):
+        allowed = EXPECTED_CODES.get(kind, DEFAULT_EXPECTED_CODES)
+        if record.gateway_cut:
+            allowed = allowed | {"cancelled"}  # nobody listened: the worker abandons it
+        if terminal.code not in allowed:
+            return [f"ended {terminal.code} ({kind} job): {terminal.message}"]
+        return []
+    if not isinstance(terminal, DoneEvent):
+        return []  # check_events said so
+    problems = []
+    if result_text is not None and result_text != record.text:
+        problems.append(
+            f"arq result text ({len(result_text)} chars) differs from the deltas "
+            f"({len(record.text)} chars)"
+        )
+    if kind == "json" and terminal.finish_reason == "stop":
+        try:
+            json.loads(record.text)
+        except ValueError:
+            problems.append(f"JSON answer that stopped does not parse: {record.text[:80]!r}")
+    return problems
+
+
+# --- the processes: Redis, supervised workers, the gateway --------------------------------------
+
+
+@dataclass
+class WorkerSlot:
+    """One supervised worker: its current process and whether it serves."""
+
+    name: str
+    incarnation: int = 0
+    worker: WorkerProcess | None = None
+    ready: bool = False
+    frozen: bool = False
+    #: Set just before the harness kills it: that exit is no surprise.
+    killed: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        process = None if self.worker is None else self.worker.process
+        return None if process is None else process.pid
+
+
+@dataclass
+class Cluster:
+    """Everything the campaign started, and how to put it back; ``close`` ends it all
+    (after success, failure or Ctrl-C)."""
+
+    workdir: Path
+    model: Path
+    workers: int
+    gateway: bool
+    lease_ttl_s: float
+    outage_s: float
+    tiny: bool
+    redis: RedisServer = field(init=False)
+    slots: list[WorkerSlot] = field(init=False)
+    gateway_process: GatewayProcess | None = None
+    #: Every engine process seen, as (pid, start time): none may outlive the campaign.
+    engines: list[Any] = field(default_factory=list)
+    #: Exits the harness did not cause, of workers that were serving: (slot, code, log tail).
+    surprises: list[tuple[str, int | None, str]] = field(default_factory=list)
+    closing: bool = False
+    #: Ctrl-C: the workers' exit codes on the way out say nothing.
+    closing_by_interrupt: bool = False
+    gateway_starts: int = 0
+
+    def __post_init__(self) -> None:
+        data = self.workdir / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        self.tmpdir = self.workdir / "tmp"  # TMPDIR of the workers: their engine sockets
+        self.tmpdir.mkdir(exist_ok=True)
+        self.redis = RedisServer(
+            extra_args=("--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data))
+        )
+        self.slots = [WorkerSlot(f"worker-{i}") for i in range(self.workers)]
+
+    @property
+    def redis_url(self) -> str:
+        return self.redis.url
+
+    def worker_env(self) -> dict[str, str]:
+        env = tiny_model_env(self.model, self.redis_url, QUEUE) | {
+            "EDGEQ_LEASE_TTL_S": str(self.lease_ttl_s),
+            "EDGEQ_REDIS_OUTAGE_S": str(self.outage_s),
+            "EDGEQ_DRAIN_TIMEOUT_S": "10",
+            "EDGEQ_LOG_LEVEL": "info",
+            "PYTHONUNBUFFERED": "1",
+            "TMPDIR": str(self.tmpdir),
+        }
+        return env | (TINY_ENGINE_ENV if self.tiny else {})
+
+    # --- workers ------------------------------------------------------------------------------
+
+    def _spawn(self, slot: WorkerSlot) -> WorkerProcess:
+        slot.incarnation += 1
+        slot.killed = slot.ready = slot.frozen = False
+        log = self.workdir / "logs" / f"{slot.name}.{slot.incarnation}.log"
+        slot.worker = WorkerProcess(self.worker_env(), log).start()
+        return slot.worker
+
+    async def start_workers(self) -> None:
+        """All workers at once (their engines load side by side), each ready."""
+        started = [self._spawn(slot) for slot in self.slots]
+        for slot, worker in zip(self.slots, started, strict=True):
+            if not await self._wait_ready(worker):
+                raise WorkerFailed(f"{slot.name} did not start:\n{worker.tail()}")
+            self._serving(slot)
+
+    async def _wait_ready(self, worker: WorkerProcess) -> bool:
+        """Whether the worker became ready (False: it exited, timed out, or the campaign is
+        closing). Polled on the event loop, not in a thread: Ctrl-C must not wait for it."""
+        deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
+        while not self.closing and time.monotonic() < deadline:
+            if worker._find_ready_event() is not None:
+                return True
+            if worker.process is None or worker.process.poll() is not None:
+                return False
+            await asyncio.sleep(0.2)
+        return False
+
+    def _serving(self, slot: WorkerSlot) -> None:
+        from edgeq.worker.engine_processes import engine_pids, identify
+
+        slot.ready = True
+        if slot.pid is not None:
+            self.engines.extend(identify(engine_pids(slot.pid)))
+
+    async def supervise(self, slot: WorkerSlot) -> None:
+        """Restart the slot's worker RESTART_DELAY_S after it exits, as systemd would."""
+        while not self.closing:
+            worker = slot.worker
+            if worker is not None and worker.process is not None:
+                code = worker.process.poll()
+                if code is None:
+                    await asyncio.sleep(0.2)
+                    continue
+                if slot.ready and not slot.killed and not self.closing:
+                    self.surprises.append((slot.name, code, worker.tail(20)))
+            slot.ready = False
+            await asyncio.sleep(RESTART_DELAY_S)
+            if self.closing:
+                return
+            worker = self._spawn(slot)
+            if await self._wait_ready(worker):
+                self._serving(slot)
+            # else: it exited (e.g. Redis away at start-up) and is started again
+
+    def ready_slots(self) -> list[WorkerSlot]:
+        return [slot for slot in self.slots if slot.ready and not slot.frozen]
+
+    def kill_worker(self, slot: WorkerSlot) -> None:
+        """SIGKILL to the worker's pid alone, as the OOM killer would: nobody kills its tree."""
+        from edgeq.worker.engine_processes import engine_pids, identify
+
+        assert slot.pid is not None
+        self.engines.extend(identify(engine_pids(slot.pid)))
+        slot.killed = True
+        os.kill(slot.pid, signal.SIGKILL)
+
+    def freeze_worker(self, slot: WorkerSlot, frozen: bool) -> None:
+        """SIGSTOP (or SIGCONT) the worker and its engine processes: a stalled box."""
+        if slot.pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(slot.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        slot.frozen = frozen
+
+    def stop_workers(self) -> list[str]:
+        """SIGTERM every worker and wait for it; the problems found (exit codes)."""
+        problems = []
+        for slot in self.slots:
+            self.freeze_worker(slot, False)
+            if slot.worker is None or slot.worker.process is None:
+                continue
+            if slot.worker.process.poll() is None:
+                code = slot.worker.stop(signal.SIGTERM)
+                if code != 0 and not self.closing_by_interrupt:
+                    problems.append(f"{slot.name} exited {code} on SIGTERM")
+            else:
+                slot.worker.stop(signal.SIGKILL)  # reap it, and its process group
+        return problems
+
+    # --- Redis --------------------------------------------------------------------------------
+
+    def redis_down(self, how: str) -> None:
+        process = self.redis.process
+        assert process is not None
+        process.send_signal(signal.Signals[how])
+        process.wait(timeout=60)
+        self.redis.process = None
+
+    def redis_up(self) -> None:
+        self.redis.start()  # the same port and data directory: the append-only file is read
+
+    # --- the gateway --------------------------------------------------------------------------
+
+    async def start_gateway(self) -> None:
+        env = {"EDGEQ_REDIS_URL": self.redis_url, "EDGEQ_QUEUE": QUEUE}
+        self.gateway_starts += 1
+        log = self.workdir / "logs" / f"gateway.{self.gateway_starts}.log"
+        process = GatewayProcess(env, log)
+        if self.gateway_process is not None:
+            process.port = self.gateway_process.port  # clients keep their URL
+        self.gateway_process = process
+        await asyncio.to_thread(process.start)
+
+    async def supervise_gateway(self) -> None:
+        while not self.closing:
+            process = self.gateway_process
+            if process is not None and process.process is not None:
+                if process.process.poll() is None:
+                    await asyncio.sleep(0.2)
+                    continue
+            await asyncio.sleep(RESTART_DELAY_S)
+            if not self.closing:
+                with contextlib.suppress(RuntimeError):
+                    await self.start_gateway()
+
+    def kill_gateway(self) -> None:
+        if self.gateway_process is not None and self.gateway_process.process is not None:
+            self.gateway_process.process.kill()
+
+    # --- the end --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop whatever still runs; safe to call twice, and after a failed start."""
+        self.closing = True
+        self.stop_workers()
+        if self.gateway_process is not None:
+            self.gateway_process.stop()
+        self.redis.stop()
+
+
+# --- the campaign ------------------------------------------------------------------------------
+
+
+@dataclass
+class FaultRecord:
+    """A fault as injected: seconds after load started."""
+
+    kind: str
+    start_s: float
+    end_s: float
+    detail: str
+
+
+@dataclass
+class Report:
+    seed: int
+    duration_s: float
+    wall_s: float = 0.0
+    accepted: int = 0
+    done: int = 0
+    continued: int = 0
+    cancelled: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, int] = field(default_factory=dict)
+    gateway_cut: int = 0
+    results_missing: int = 0
+    faults: list[FaultRecord] = field(default_factory=list)
+    skipped_faults: list[str] = field(default_factory=list)
+    ttft_ms: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    problems: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def render(self) -> str:
+        lines = [
+            f"chaos campaign, seed {self.seed}: {self.duration_s:g} s of load, "
+            f"{self.wall_s:.0f} s wall",
+            f"  jobs accepted {self.accepted}: done {self.done} (continued {self.continued}), "
+            f"cancelled {self.cancelled}, failed {dict(sorted(self.failed.items()))}",
+            f"  by kind {dict(sorted(self.by_kind.items()))}",
+            f"  refused at the door {dict(sorted(self.refused.items()))}; "
+            f"gateway streams cut {self.gateway_cut}; arq results missing {self.results_missing}",
+            f"  faults injected {len(self.faults)}:",
+            *(
+                f"    {f.kind:<14} {f.start_s:7.1f} -> {f.end_s:7.1f} s  {f.detail}"
+                for f in self.faults
+            ),
+            *(f"    skipped: {why}" for why in self.skipped_faults),
+            "  TTFT (ms): "
+            + "; ".join(
+                f"{where} n={t['n']} p50 {t['p50']:.0f} p99 {t['p99']:.0f}"
+                for where, t in self.ttft_ms.items()
+            ),
+            f"  problems: {len(self.problems)}",
+            *(f"    {json.dumps(p)}" for p in self.problems[:50]),
+        ]
+        return "\n".join(lines)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = math.ceil(q / 100 * len(ordered))
+    return ordered[min(len(ordered), max(1, rank)) - 1]
+
+
+def windows_of(start_s: float, end_s: float, faults: Sequence[FaultRecord]) -> list[str]:
+    """The faults whose window (plus RECOVERY_S) overlaps [start_s, end_s]."""
+    return [
+        f"{f.kind}@{f.start_s:.1f}"
+        for f in faults
+        if start_s <= f.end_s + RECOVERY_S and f.start_s <= end_s
+    ]
+
+
+@dataclass
+class Campaign:
+    cluster: Cluster
+    seed: int
+    duration_s: float
+    in_flight: int
+    fault_kinds: Sequence[str]
+    report: Report = field(init=False)
+    records: list[JobRecord] = field(default_factory=list)
+    refused: Counter[str] = field(default_factory=Counter)
+    faults: list[FaultRecord] = field(default_factory=list)
+    general_problems: list[str] = field(default_factory=list)
+    t0: float = 0.0
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 3)
+
+    async def run(self) -> Report:
+        from edgeq.producer.client import ChatClient
+
+        started = time.monotonic()
+        self.report = Report(self.seed, self.duration_s)
+        cluster = self.cluster
+        cluster.redis.start()
+        await cluster.start_workers()
+        supervisors = [asyncio.create_task(cluster.supervise(slot)) for slot in cluster.slots]
+        if cluster.gateway:
+            await cluster.start_gateway()
+            supervisors.append(asyncio.create_task(cluster.supervise_gateway()))
+        client = ChatClient(
+            redis_url=cluster.redis_url,
+            queue=QUEUE,
+            lease_ttl_s=cluster.lease_ttl_s,
+            client_max_connections=2 * self.in_flight + 2,
+        )
+        self.t0 = time.monotonic()
+        counter = itertools.count()
+        try:
+            lanes = [
+                asyncio.create_task(self._lane(client, counter)) for _ in range(self.in_flight)
+            ]
+            faults = asyncio.create_task(self._inject_faults())
+            await faults
+            # Load ends at duration_s; the jobs then running get LANES_DRAIN_S to end.
+            ended, late = await asyncio.wait(
+                lanes, timeout=max(0.0, self.duration_s - self.now()) + LANES_DRAIN_S
+            )
+            for lane in late:
+                lane.cancel()
+            for lane in ended:
+                if (error := lane.exception()) is not None:  # a bug of the harness itself
+                    self.general_problems.append(f"a driver lane failed: {error!r}")
+            for record in self.records:
+                if record.terminal is None and not record.problems:
+                    record.problems.append("no terminal event by the end of the drain")
+            await self._quiet_drain(client)
+        finally:
+            cluster.closing = True
+            for task in supervisors:
+                task.cancel()
+            await asyncio.gather(*supervisors, return_exceptions=True)
+            await client.aclose()
+        self._final_checks()
+        self.report.wall_s = time.monotonic() - started
+        return self._summarize()
+
+    # --- load ---------------------------------------------------------------------------------
+
+    async def _lane(self, client: Any, counter: itertools.count[int]) -> None:
+        """Keep one chat in flight until the load ends."""
+        while self.now() < self.duration_s:
+            spec = job_spec(self.seed, next(counter), gateway=self.cluster.gateway)
+            if spec.via_gateway:
+                await self._gateway_job(client, spec)
+            else:
+                await self._client_job(client, spec)
+
+    async def _client_job(self, client: Any, spec: JobSpec) -> None:
+        submitted = self.now()
+        try:
+            job = await client.submit(spec.prompt, **spec.fields)
+        except (RedisUnavailable, QueueFull) as error:
+            self.refused[type(error).__name__] += 1
+            await asyncio.sleep(REFUSED_BACKOFF_S)
+            return
+        except EdgeqError as error:  # the harness built a request edgeq refuses
+            self.general_problems.append(f"job {spec.index} ({spec.kind}) refused: {error}")
+            await asyncio.sleep(REFUSED_BACKOFF_S)
+            return
+        record = JobRecord(spec, job.job_id, submitted)
+        self.records.append(record)
+        await self._read(client, record, job)
+        await self._verify(client, record)
+
+    async def _read(self, client: Any, record: JobRecord, job: Any) -> None:
+        """Read the job's stream to its end, cancelling it mid-way for a ``cancel`` job."""
+        canceller: asyncio.Task[None] | None = None
+        try:
+            async for event in job.stream():
+                record.events.append(event)
+                if record.first_delta_s is None and isinstance(event, DeltaEvent):
+                    record.first_delta_s = self.now()
+                    if record.spec.cancel_after_s is not None:
+                        canceller = asyncio.create_task(
+                            self._cancel_later(job, record.spec.cancel_after_s)
+                        )
+        except (RedisUnavailable, JobTimeout, StreamBroken, EdgeqError) as error:
+            # The guarantee: an accepted job's reader rides out an outage until
+            # EDGEQ_STREAM_TIMEOUT_S; nothing else may end its stream.
+            record.problems.append(f"the stream raised {type(error).__name__}: {error}")
+        finally:
+            record.ended_s = self.now()
+            if canceller is not None:
+                canceller.cancel()
+                await asyncio.gather(canceller, return_exceptions=True)
+
+    async def _cancel_later(self, job: Any, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        with contextlib.suppress(RedisUnavailable):  # Redis away: the job runs to its end
+            await job.cancel()
+
+    async def _gateway_job(self, client: Any, spec: JobSpec) -> None:
+        """The job through the gateway's streaming chat completions; its stream is then
+        checked from the replay buffer, like any other (the gateway is a producer)."""
+        import httpx
+
+        gateway = self.cluster.gateway_process
+        assert gateway is not None
+        fields = {k: v for k, v in spec.fields.items() if k not in ("tenant", "deadline_s")}
+        body = {
+            "model": str(self.cluster.model),
+            "messages": [{"role": "user", "content": spec.prompt}],
+            "stream": True,
+            **fields,
+        }
+        headers = {"X-Edgeq-Tenant": spec.fields["tenant"]}
+        submitted = self.now()
+        job_id = None
+        content: list[str] = []
+        finished = False
+        try:
+            async with (
+                httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=130.0)) as http,
+                http.stream(
+                    "POST", f"{gateway.base_url}/chat/completions", json=body, headers=headers
+                ) as response,
+            ):
+                job_id = response.headers.get("X-Edgeq-Job-Id")
+                if response.status_code != 200 or job_id is None:
+                    await response.aread()
+                    self.refused[f"gateway_{response.status_code}"] += 1
+                    await asyncio.sleep(REFUSED_BACKOFF_S)
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        finished |= line == "data: [DONE]"
+                        continue
+                    for choice in json.loads(line[6:]).get("choices", ()):
+                        content.append(choice.get("delta", {}).get("content") or "")
+        except (httpx.HTTPError, ValueError):
+            if job_id is None:
+                self.refused["gateway_unreachable"] += 1
+                await asyncio.sleep(REFUSED_BACKOFF_S)
+                return
+        assert job_id is not None
+        record = JobRecord(spec, job_id, submitted, gateway_cut=not finished)
+        self.records.append(record)
+        # Follow the job to its end from the replay buffer (it goes on without the gateway).
+        job = await self._with_redis(lambda: client.attach(job_id))
+        if job is None:
+            record.problems.append("could not attach to the job: Redis away too long")
+            return
+        await self._read(client, record, job)
+        await self._verify(client, record)
+        done = isinstance(record.terminal, DoneEvent)
+        if finished and done and spec.kind != "json" and "".join(content) != record.text:
+            record.problems.append("the gateway's content differs from the job's deltas")
+
+    # --- checks -------------------------------------------------------------------------------
+
+    async def _with_redis(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """``call()``, tried again while Redis is away (a fault window), up to
+        REDIS_PATIENCE_S; None if it never came back."""
+        deadline = time.monotonic() + REDIS_PATIENCE_S
+        while True:
+            try:
+                with redis_errors(self.cluster.redis_url):
+                    return await call()
+            except RedisUnavailable:
+                if time.monotonic() > deadline:
+                    return None
+                await asyncio.sleep(0.5)
+
+    async def _verify(self, client: Any, record: JobRecord) -> None:
+        """What the reader saw is the stream Redis kept, and it ends as the guarantees say."""
+        record.problems.extend(check_events(record.events, record.job_id))
+        if record.terminal is None:
+            return
+        kept = await self._with_redis(lambda: read_events(client.redis, record.job_id))
+        if kept is None:
+            record.problems.append("the replay buffer could not be read: Redis away too long")
+        elif kept != record.events:
+            record.problems.append(
+                f"the live stream ({len(record.events)} events) differs from the replay buffer "
+                f"({len(kept)} events)"
+            )
+        result_text = None
+        if isinstance(record.terminal, DoneEvent):
+            result_text = await self._result_text(client, record.job_id)
+            if result_text is None:
+                self.report.results_missing += 1
+        record.problems.extend(check_outcome(record, result_text))
+
+    async def _result_text(self, client: Any, job_id: str) -> str | None:
+        """The text of arq's result record (kept EDGEQ_KEEP_RESULT_S), or None if none came."""
+        deadline = time.monotonic() + RESULT_WAIT_S
+        while time.monotonic() < deadline:
+            raw = await self._with_redis(lambda: client.redis.get(result_key(job_id)))
+            if raw is not None:
+                result = json.loads(raw).get("r")
+                return result.get("text") if isinstance(result, dict) else None
+            await asyncio.sleep(0.2)
+        return None
+
+    async def _quiet_drain(self, client: Any) -> None:
+        """With no load left, nothing may stay queued, leased or marked in progress."""
+        deadline = time.monotonic() + QUIET_DRAIN_S
+        left: list[str] = []
+        while time.monotonic() < deadline:
+            left = await self._with_redis(lambda: self._left_over(client)) or []
+            if not left:
+                return
+            await asyncio.sleep(1.0)
+        self.general_problems.append(f"left queued, leased or in progress: {left[:20]}")
+
+    async def _left_over(self, client: Any) -> list[str]:
+        redis = client.redis
+        queued = [f"queued {j.decode()}" for j in await redis.zrange(QUEUE, 0, -1)]
+        leased = [f"leased {j.decode()}" for j in await redis.zrange(leases_key(QUEUE), 0, -1)]
+        marked = [
+            f"in progress {key.decode().removeprefix(in_progress_key_prefix)}"
+            async for key in redis.scan_iter(match=f"{in_progress_key_prefix}*", count=1000)
+        ]
+        return queued + leased + marked
+
+    def _final_checks(self) -> None:
+        """After the workers stopped: no engine process and no engine socket directory left,
+        and no worker that died on its own."""
+        from edgeq.worker.engine_processes import wait_until_gone
+
+        cluster = self.cluster
+        self.general_problems.extend(cluster.stop_workers())
+        left = wait_until_gone(cluster.engines, timeout_s=ENGINE_GONE_S)
+        if left:
+            self.general_problems.append(f"engine processes left behind: {left}")
+        sockets = sorted(p.name for p in cluster.tmpdir.glob("edgeq-engine-*"))
+        if sockets:
+            self.general_problems.append(f"engine socket directories left: {sockets}")
+        for name, code, tail in cluster.surprises:
+            self.general_problems.append(f"{name} exited {code} on its own:\n{tail}")
+
+    # --- faults -------------------------------------------------------------------------------
+
+    async def _inject_faults(self) -> None:
+        kinds = [k for k in self.fault_kinds if k != "kill_gateway" or self.cluster.gateway]
+        plan = fault_schedule(
+            self.seed,
+            self.duration_s,
+            kinds,
+            lease_ttl_s=self.cluster.lease_ttl_s,
+            outage_s=self.cluster.outage_s,
+        )
+        for fault in plan:
+            await asyncio.sleep(max(0.0, fault.at_s - self.now()))
+            await self._inject(fault)
+
+    async def _victim(self, fault: Fault) -> WorkerSlot | None:
+        """A serving worker, picked by the plan's ``target``; waits for one (a restart)."""
+        deadline = time.monotonic() + 300
+        while not (ready := self.cluster.ready_slots()):
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.5)
+        return ready[fault.target % len(ready)]
+
+    async def _inject(self, fault: Fault) -> None:
+        cluster = self.cluster
+        start = self.now()
+        detail = ""
+        if fault.kind in ("kill_worker", "stop_worker"):
+            slot = await self._victim(fault)
+            if slot is None:
+                self.report.skipped_faults.append(f"{fault.kind} at {start:.1f}: no worker ready")
+                return
+            start = self.now()
+            detail = f"{slot.name}#{slot.incarnation} pid {slot.pid}"
+            if fault.kind == "kill_worker":
+                cluster.kill_worker(slot)
+            else:
+                cluster.freeze_worker(slot, True)
+                try:
+                    await asyncio.sleep(fault.hold_s)
+                finally:
+                    cluster.freeze_worker(slot, False)
+                detail += f", stopped {fault.hold_s:g} s (lease {cluster.lease_ttl_s:g} s)"
+        elif fault.kind in ("restart_redis", "redis_outage"):
+            how = fault.how or "SIGTERM"
+            await asyncio.to_thread(cluster.redis_down, how)
+            try:
+                await asyncio.sleep(fault.hold_s)
+            finally:
+                await asyncio.to_thread(cluster.redis_up)
+            detail = f"{how}, away {fault.hold_s:g} s (outage limit {cluster.outage_s:g} s)"
+        elif fault.kind == "kill_gateway":
+            cluster.kill_gateway()
+        self.faults.append(FaultRecord(fault.kind, start, self.now(), detail))
+
+    # --- the report -----------------------------------------------------------------------------
+
+    def _summarize(self) -> Report:
+        report = self.report
+        report.faults = self.faults
+        report.refused = dict(self.refused)
+        report.accepted = len(self.records)
+        ttft: dict[str, list[float]] = {"outside faults": [], "inside faults": []}
+        kinds: Counter[str] = Counter()
+        failed: Counter[str] = Counter()
+        for record in self.records:
+            kinds[record.spec.kind] += 1
+            report.gateway_cut += record.gateway_cut
+            terminal = record.terminal
+            if isinstance(terminal, DoneEvent):
+                report.done += 1
+                report.continued += bool(terminal.continued)
+            elif isinstance(terminal, ErrorEvent):
+                if terminal.code == "cancelled":
+                    report.cancelled += 1
+                else:
+                    failed[terminal.code] += 1
+            if record.first_delta_s is not None:
+                inside = windows_of(record.submitted_s, record.first_delta_s, self.faults)
+                ttft["inside faults" if inside else "outside faults"].append(
+                    (record.first_delta_s - record.submitted_s) * 1000
+                )
+            for problem in record.problems:
+                report.problems.append(
+                    {
+                        "job_id": record.job_id,
+                        "kind": record.spec.kind,
+                        "problem": problem,
+                        "fault_windows": windows_of(
+                            record.submitted_s, record.ended_s or self.now(), self.faults
+                        ),
+                    }
+                )
+        report.problems.extend({"job_id": None, "problem": p} for p in self.general_problems)
+        report.failed = dict(failed)
+        report.by_kind = dict(kinds)
+        report.ttft_ms = {
+            where: {"n": len(v), "p50": percentile(v, 50), "p99": percentile(v, 99)}
+            for where, v in ttft.items()
+        }
+        return report
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def run_chaos_command(
+    *,
+    duration_s: float,
+    seed: int,
+    workers: int,
+    in_flight: int,
+    model: Path | None,
+    gateway: bool,
+    out: Path | None,
+    workdir: Path | None,
+    lease_ttl_s: float,
+    outage_s: float,
+    faults: Sequence[str],
+) -> int:
+    """Run one campaign; print the report (and write it to ``out``); 0 when no problem."""
+    from edgeq.exit_codes import EXIT_OK
+
+    own_dir = workdir is None
+    # A short path: vLLM's socket paths under it must stay within 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="edgeq-chaos-")) if workdir is None else workdir
+    root.mkdir(parents=True, exist_ok=True)
+    tiny = model is None
+    if model is None:
+        from edgeq.testing.tiny_model import make_tiny_model
+
+        model = make_tiny_model(root / "tiny-model").directory
+    cluster = Cluster(root, model, workers, gateway, lease_ttl_s, outage_s, tiny)
+    campaign = Campaign(cluster, seed, duration_s, in_flight, faults)
+    print(f"chaos: seed {seed}, {duration_s:g} s, {workers} workers, {in_flight} in flight, "
+          f"logs in {root}/logs", flush=True)  # fmt: skip
+    report: Report | None = None
+    try:
+        report = asyncio.run(campaign.run())
+    except KeyboardInterrupt:
+        cluster.closing_by_interrupt = True
+        print("chaos: interrupted; stopping everything it started", file=sys.stderr)
+        raise
+    finally:
+        cluster.close()
+    print(report.render(), flush=True)
+    if out is not None:
+        out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if report.problems:
+        print(f"chaos: {len(report.problems)} problems; logs kept in {root}/logs")
+        return 1
+    if own_dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return EXIT_OK

@@ -1,0 +1,243 @@
+"""The chaos campaign's parts that need no engine (edgeq.testing.chaos): the seeded plan, the
+checks every job goes through, the report's arithmetic, and Redis restarted on its data."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from redis import Redis
+
+from edgeq.cli import build_parser
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.producer.client import build_request
+from edgeq.testing.chaos import (
+    FAULT_KINDS,
+    JOB_KINDS,
+    QUIET_TAIL,
+    Cluster,
+    FaultRecord,
+    JobRecord,
+    JobSpec,
+    Report,
+    WorkerSlot,
+    check_events,
+    check_outcome,
+    fault_schedule,
+    job_spec,
+    percentile,
+    windows_of,
+)
+from edgeq.testing.processes import WorkerProcess
+
+JOB = "a" * 32
+
+
+def delta(seq: int, text: str, job_id: str = JOB) -> DeltaEvent:
+    return DeltaEvent(job_id=job_id, seq=seq, text=text)
+
+
+def done(seq: int, finish_reason: str = "stop", continued: int | None = None) -> DoneEvent:
+    return DoneEvent(
+        job_id=JOB,
+        seq=seq,
+        finish_reason=finish_reason,
+        usage=Usage(prompt_tokens=3, completion_tokens=2),
+        timings=Timings(queued_ms=1, ttft_ms=2, total_ms=3),
+        continued=continued,
+    )
+
+
+def error(seq: int, code: str) -> ErrorEvent:
+    return ErrorEvent(job_id=JOB, seq=seq, code=code, message="why")
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_schedule_and_another_seed_another() -> None:
+    first = fault_schedule(3, 1800, FAULT_KINDS)
+    assert first == fault_schedule(3, 1800, FAULT_KINDS)
+    assert first != fault_schedule(4, 1800, FAULT_KINDS)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_short_campaign_still_gets_every_kind_of_fault_one_after_another(seed: int) -> None:
+    kinds = [k for k in FAULT_KINDS if k != "kill_gateway"]
+    faults = fault_schedule(seed, 90, kinds, lease_ttl_s=5, outage_s=8)
+    assert sorted(f.kind for f in faults[: len(kinds)]) == sorted(kinds)
+    for before, after in itertools.pairwise(faults):
+        assert after.at_s >= before.at_s + before.hold_s + 6  # one fault at a time, a gap after
+    for fault in faults:
+        if fault.kind == "stop_worker":
+            assert fault.hold_s > 5  # past the lease: its jobs are handed over
+        if fault.kind == "redis_outage":
+            assert fault.hold_s > 8  # past the workers' outage limit
+        if fault.kind == "restart_redis":
+            assert fault.how in ("SIGTERM", "SIGKILL")
+
+
+def test_a_long_campaign_keeps_faulting_until_its_quiet_tail() -> None:
+    faults = fault_schedule(1, 1800, FAULT_KINDS)
+    assert len(faults) > 80
+    assert {f.kind for f in faults} == set(FAULT_KINDS)
+    assert faults[-1].at_s + faults[-1].hold_s <= 1800 * (1 - QUIET_TAIL)
+
+
+def test_the_workload_is_seeded_mixed_and_every_request_is_valid() -> None:
+    specs = [job_spec(5, index, gateway=True) for index in range(400)]
+    assert specs == [job_spec(5, index, gateway=True) for index in range(400)]
+    assert specs != [job_spec(6, index, gateway=True) for index in range(400)]
+    assert {spec.kind for spec in specs} == set(JOB_KINDS)
+    assert {spec.fields["priority"] for spec in specs} == {"interactive", "default", "batch"}
+    assert len({spec.fields["tenant"] for spec in specs}) == 3
+    assert any(spec.via_gateway for spec in specs)
+    assert not any(job_spec(5, index).via_gateway for index in range(400))
+    for spec in specs:
+        fields = {k: v for k, v in spec.fields.items() if k != "deadline_s"}
+        build_request(spec.prompt, **fields)  # raises InvalidRequest for a bad one
+        assert (spec.cancel_after_s is not None) == (spec.kind == "cancel")
+        if spec.kind in ("long", "cancel"):
+            assert spec.fields["max_tokens"] >= 150
+        if spec.kind == "deadline":
+            assert spec.fields["deadline_s"] <= 3
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+
+def test_a_whole_stream_passes() -> None:
+    assert check_events([delta(0, "a"), delta(1, "b"), done(2)], JOB) == []
+    assert check_events([error(0, "expired")], JOB) == []
+
+
+@pytest.mark.parametrize(
+    ("events", "says"),
+    [
+        ([delta(0, "a"), delta(2, "b"), done(3)], "gap-free"),
+        ([delta(0, "a"), delta(0, "a"), done(1)], "gap-free"),
+        ([delta(0, "a"), done(1), error(2, "cancelled")], "2 terminal events"),
+        ([delta(0, "a"), delta(1, "b")], "0 terminal events"),
+        ([delta(0, "a", "b" * 32), done(1)], "another job"),
+    ],
+)
+def test_a_broken_stream_is_named(events: list, says: str) -> None:
+    assert any(says in problem for problem in check_events(events, JOB))
+
+
+def record(kind: str, *events, gateway_cut: bool = False) -> JobRecord:
+    spec = JobSpec(0, kind, "p", {})
+    return JobRecord(spec, JOB, 0.0, events=list(events), gateway_cut=gateway_cut)
+
+
+def test_an_ending_is_checked_against_its_kind() -> None:
+    assert check_outcome(record("plain", delta(0, "ab"), done(1)), "ab") == []
+    assert check_outcome(record("plain", delta(0, "ab"), done(1)), None) == []  # result gone
+    assert "differs" in check_outcome(record("plain", delta(0, "ab"), done(1)), "abc")[0]
+    assert check_outcome(record("plain", error(0, "worker_lost")), None) == []
+    assert check_outcome(record("deadline", error(0, "expired")), None) == []
+    assert check_outcome(record("cancel", delta(0, "x"), error(1, "cancelled")), None) == []
+    assert check_outcome(record("plain", error(0, "engine_error")), None)
+    assert check_outcome(record("plain", error(0, "cancelled")), None)  # nobody cancelled it
+    # A gateway job whose gateway died has no listener: its worker abandons it.
+    assert check_outcome(record("plain", error(0, "cancelled"), gateway_cut=True), None) == []
+
+
+def test_a_json_answer_that_stopped_must_parse_one_cut_short_need_not() -> None:
+    good = record("json", delta(0, '{"answer": "hi"}'), done(1))
+    assert check_outcome(good, '{"answer": "hi"}') == []
+    bad = record("json", delta(0, '{"answer": '), done(1))
+    assert "does not parse" in check_outcome(bad, None)[0]
+    cut = record("json", delta(0, '{"answer": '), done(1, finish_reason="length"))
+    assert check_outcome(cut, None) == []
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def test_percentiles_by_nearest_rank() -> None:
+    values = list(range(1, 101))
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([], 50) == 0.0
+
+
+def test_a_job_is_in_the_windows_of_the_faults_it_overlapped_recovery_included() -> None:
+    faults = [FaultRecord("kill_worker", 10, 10, ""), FaultRecord("redis_outage", 30, 40, "")]
+    assert windows_of(0, 9, faults) == []
+    assert windows_of(12, 14, faults) == ["kill_worker@10.0"]  # within RECOVERY_S after it
+    assert windows_of(16, 29, faults) == []
+    assert windows_of(5, 35, faults) == ["kill_worker@10.0", "redis_outage@30.0"]
+
+
+def test_the_report_renders_and_serializes() -> None:
+    report = Report(seed=1, duration_s=90, accepted=3, done=2)
+    report.faults = [FaultRecord("restart_redis", 5, 6, "SIGKILL")]
+    report.ttft_ms = {"outside faults": {"n": 2, "p50": 10.0, "p99": 20.0}}
+    report.problems = [{"job_id": JOB, "problem": "x", "fault_windows": []}]
+    text = report.render()
+    assert "restart_redis" in text and "problems: 1" in text
+    assert json.loads(json.dumps(report.to_json()))["faults"][0]["kind"] == "restart_redis"
+
+
+def test_the_command_takes_its_options() -> None:
+    args = build_parser(["chaos"]).parse_args(
+        ["chaos", "--duration", "90", "--seed", "3", "--faults", "kill_worker,redis_outage"]
+    )
+    assert (args.duration, args.seed, args.faults) == (90, 3, ("kill_worker", "redis_outage"))
+    assert (args.workers, args.in_flight, args.gateway) == (2, 8, False)
+    with pytest.raises(SystemExit):
+        build_parser(["chaos"]).parse_args(["chaos", "--faults", "flood"])
+
+
+# --- Redis restarted on its data -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_redis_comes_back_on_its_port_with_what_it_had(tmp_path: Path, how: str) -> None:
+    cluster = Cluster(tmp_path, tmp_path, 0, False, 5.0, 8.0, True)
+    cluster.redis.start()
+    try:
+        Redis.from_url(cluster.redis_url).set("kept", "yes")
+        cluster.redis_down(how)
+        with pytest.raises(Exception):  # noqa: B017 (whichever connection error redis-py raises)
+            Redis.from_url(cluster.redis_url, socket_connect_timeout=0.5).ping()
+        cluster.redis_up()
+        assert Redis.from_url(cluster.redis_url).get("kept") == b"yes"
+    finally:
+        cluster.close()
+    assert cluster.redis.process is None
+
+
+def test_a_frozen_worker_and_its_children_are_stopped_and_resumed(tmp_path: Path) -> None:
+    """SIGSTOP goes to the worker's process group: vLLM's processes are in it too."""
+    parent = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    worker = WorkerProcess({}, tmp_path / "w.log", process=process)
+    slot = WorkerSlot("w", worker=worker)
+    cluster = Cluster(tmp_path, tmp_path, 0, False, 5.0, 8.0, True)
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(process.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        group = [psutil.Process(process.pid), *psutil.Process(process.pid).children()]
+        assert len(group) == 2
+        cluster.freeze_worker(slot, True)
+        time.sleep(0.2)
+        assert {p.status() for p in group} == {psutil.STATUS_STOPPED}
+        cluster.freeze_worker(slot, False)
+        time.sleep(0.2)
+        assert psutil.STATUS_STOPPED not in {p.status() for p in group}
+    finally:
+        worker.stop(signal.SIGKILL)  # the group: the child too
