@@ -158,3 +158,25 @@ async def test_a_job_whose_request_is_gone_ends_worker_lost_saying_so(
     assert outcome is Handover.LOST_REQUEST
     (event,) = await read_events(redis, "forgotten")
     assert event.code == "worker_lost" and "request is no longer in Redis" in event.message
+
+
+async def test_a_job_whose_stream_ended_while_its_worker_was_gone_leaves_no_records(
+    redis: Redis, queue: str
+) -> None:
+    """Found by the chaos campaign (#34): a chat cancelled while its worker had given it up
+    (Redis away past EDGEQ_REDIS_OUTAGE_S), or whose worker sent `done` and died before
+    finishing arq's records, has a terminal event and a lease nobody renews. The lease's
+    expiry must finish its records: its in-progress mark stayed for the claim's whole TTL
+    (EDGEQ_JOB_TIMEOUT_S + 10 s), and the job in the queue."""
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await started_job(redis, queue, "ended", starts=1)
+    await log.append(DeltaEvent(job_id="ended", seq=0, text="half"))
+    await log.append(ErrorEvent(job_id="ended", seq=0, code="cancelled", message="by a client"))
+    outcome = await hand_over(
+        redis, log, "ended", queue=queue, max_continuations=2, deadline_s=30, lease_ttl_s=0.2
+    )
+    assert outcome is Handover.NOT_EXPIRED  # nothing to hand over: the job is over
+    assert not await redis.exists(in_progress_key("ended"), job_key("ended"))
+    assert await redis.zscore(queue, "ended") is None  # never claimed again
+    assert await redis.zscore(leases_key(queue), "ended") is None
+    assert [event.type for event in await read_events(redis, "ended")] == ["delta", "error"]

@@ -15,7 +15,15 @@ if not leased_until or tonumber(leased_until) >= now then return 0 end
 local up_s = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
 if up_s * 1000 < tonumber(ARGV[5]) then return 0 end
 redis.call('ZREM', KEYS[1], ARGV[1])
-if redis.call('EXISTS', KEYS[5]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  -- The stream has ended (cancelled while its worker was gone, or the worker sent its terminal
+  -- event and died before finishing arq's records): nothing to hand over, and nobody left to
+  -- finish the records, so they are finished here, as a worker's end would (its in-progress
+  -- mark would otherwise stay for the claim's whole TTL, and the job stay in the queue).
+  redis.call('DEL', KEYS[3], KEYS[4])
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  return 0
+end
 if tonumber(redis.call('GET', KEYS[6]) or '1') > tonumber(ARGV[2]) then return 2 end
 if redis.call('EXISTS', KEYS[4]) == 0 or not redis.call('ZSCORE', KEYS[2], ARGV[1]) then
   return 3
