@@ -25,8 +25,8 @@ CAMPAIGN_TIMEOUT_S = 540
 KINDS = [kind for kind in FAULT_KINDS if kind != "kill_gateway"]
 
 
-def test_a_short_campaign_accounts_for_every_job(tiny_model: Path, short_tmp: Path) -> None:
-    report_path = short_tmp / "report.json"
+def test_a_short_campaign_accounts_for_every_job(tiny_model: Path, tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
     env = {
         **os.environ,
         # Sized for two engines on two cores (tests/helpers.py engine_env).
@@ -39,7 +39,7 @@ def test_a_short_campaign_accounts_for_every_job(tiny_model: Path, short_tmp: Pa
     # timeout that kills it leaves the test's own process clean.
     run = subprocess.run(
         [sys.executable, "-m", "edgeq", "chaos", "--duration", str(DURATION_S),
-         "--seed", str(SEED), "--model", str(tiny_model), "--workdir", str(short_tmp / "run"),
+         "--seed", str(SEED), "--model", str(tiny_model), "--workdir", str(tmp_path / "run"),
          "--faults", ",".join(KINDS), "--out", str(report_path)],
         env=env, capture_output=True, text=True, timeout=CAMPAIGN_TIMEOUT_S,
     )  # fmt: skip

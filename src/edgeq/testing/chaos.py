@@ -351,8 +351,9 @@ class Cluster:
     def __post_init__(self) -> None:
         data = self.workdir / "redis"
         data.mkdir(parents=True, exist_ok=True)
-        self.tmpdir = self.workdir / "tmp"  # TMPDIR of the workers: their engine sockets
-        self.tmpdir.mkdir(exist_ok=True)
+        # TMPDIR of the workers, for their engine sockets: a short path of its own (a socket's
+        # path must fit in 107 bytes, a work directory's may not), removed by close().
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="edgeq-chaos-"))
         self.redis = RedisServer(
             extra_args=("--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(data))
         )
@@ -457,8 +458,10 @@ class Cluster:
             if slot.worker is None or slot.worker.process is None:
                 continue
             if slot.worker.process.poll() is None:
+                serving = slot.ready
                 code = slot.worker.stop(signal.SIGTERM)
-                if code != 0 and not self.closing_by_interrupt:
+                # One still starting has no signal handler yet: SIGTERM simply ends it.
+                if code != 0 and serving and not self.closing_by_interrupt:
                     problems.append(f"{slot.name} exited {code} on SIGTERM")
             else:
                 slot.worker.stop(signal.SIGKILL)  # reap it, and its process group
@@ -513,7 +516,19 @@ class Cluster:
         if self.gateway_process is not None:
             self.gateway_process.stop()
         self.redis.stop()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
+    def job_trail(self, job_id: str) -> list[str]:
+        """What the workers logged about a job, in order: for a problem's report."""
+        trail = []
+        for log in sorted((self.workdir / "logs").glob("worker-*.log")):
+            for line in log.read_text(errors="replace").splitlines():
+                if job_id in line and line.startswith("{"):
+                    with contextlib.suppress(ValueError):
+                        event = json.loads(line)
+                        trail.append(f"{log.stem} {event.get('timestamp', '')} {event.get('event')}"
+                                     f" {event.get('code') or event.get('finish_reason') or ''}")
+        return trail
 
 # --- the campaign ------------------------------------------------------------------------------
 
@@ -649,6 +664,9 @@ class Campaign:
             for record in self.records:
                 if record.terminal is None and not record.problems:
                     record.problems.append("no terminal event by the end of the drain")
+            # A worker killed late is serving again before the end, as under systemd: its
+            # restart also removes the dead one's engine socket directory.
+            await self._all_serving()
             await self._quiet_drain(client)
         finally:
             cluster.closing = True
@@ -818,6 +836,14 @@ class Campaign:
             await asyncio.sleep(0.2)
         return None
 
+    async def _all_serving(self) -> None:
+        deadline = time.monotonic() + DEFAULT_READY_TIMEOUT_S
+        while not all(slot.ready for slot in self.cluster.slots):
+            if time.monotonic() > deadline:
+                self.general_problems.append("a restarted worker never became ready again")
+                return
+            await asyncio.sleep(0.5)
+
     async def _quiet_drain(self, client: Any) -> None:
         """With no load left, nothing may stay queued, leased or marked in progress."""
         deadline = time.monotonic() + QUIET_DRAIN_S
@@ -828,6 +854,15 @@ class Campaign:
                 return
             await asyncio.sleep(1.0)
         self.general_problems.append(f"left queued, leased or in progress: {left[:20]}")
+        records = {record.job_id: record for record in self.records}
+        for entry in left[:5]:
+            job_id = entry.rsplit(" ", 1)[1]
+            record = records.get(job_id)
+            seen = [f"{e.seq}:{e.type}" for e in record.events][-3:] if record else "not ours"
+            self.general_problems.append(
+                f"left {job_id}: the client saw {seen}; "
+                f"the workers logged {self.cluster.job_trail(job_id)}"
+            )
 
     async def _left_over(self, client: Any) -> list[str]:
         redis = client.redis
