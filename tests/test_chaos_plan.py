@@ -241,3 +241,4 @@ def test_a_frozen_worker_and_its_children_are_stopped_and_resumed(tmp_path: Path
         assert psutil.STATUS_STOPPED not in {p.status() for p in group}
     finally:
         worker.stop(signal.SIGKILL)  # the group: the child too
+        cluster.close()
