@@ -237,7 +237,9 @@ class Timings(BaseModel):
     """Milliseconds, all measured from the moment the job was enqueued."""
 
     queued_ms: float
-    ttft_ms: float | None
+    #: None when this start of the job produced no token (a continued job whose dead worker
+    #: had streamed the whole answer). Events leave out None fields, so it needs its default.
+    ttft_ms: float | None = None
     total_ms: float
 
 
