@@ -30,7 +30,7 @@ from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix,
 from arq.jobs import SerializationError, deserialize_job_raw, serialize_result
 from redis.asyncio import Redis
 
-from edgeq.core.keys import in_progress_key, job_key, result_key, retry_key
+from edgeq.core.keys import in_progress_key, job_key, leases_key, result_key, retry_key
 
 __all__ = [
     "ARQ_ABORT_SET",
@@ -121,13 +121,17 @@ async def finish_job(
 ) -> None:
     """End a job in arq's records, in one transaction: its result kept for
     ``keep_result_ms`` (none if 0 or no result), its payload, start count, in-progress mark,
-    queue entry and pending abort gone."""
+    queue entry and pending abort gone, and edgeq's lease on it with them. The lease goes
+    last of all: while the records stay (Redis away at the job's end), the lease's expiry
+    finishes them (core/lua/hand_over.lua), where a lease released earlier left the job
+    queued and in progress for good."""
     async with redis.pipeline(transaction=True) as transaction:
         if result is not None and keep_result_ms > 0:
             transaction.set(result_key(job_id), result, px=keep_result_ms)
         transaction.delete(in_progress_key(job_id), retry_key(job_id), job_key(job_id))
         transaction.zrem(abort_set, job_id)
         transaction.zrem(queue, job_id)
+        transaction.zrem(leases_key(queue), job_id)
         await transaction.execute()
 
 

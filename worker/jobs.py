@@ -30,7 +30,6 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
-from edgeq.core.leases import release_lease
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
@@ -140,9 +139,10 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         return failure
     finally:
         metrics.job_ended(outcome, e2e_s=e2e_s)
+        # No more renewals; the lease itself goes with arq's records, when the loop finishes
+        # them (worker/lifecycle.py): released here, it left records Redis could not take
+        # (an outage at the job's end) in the queue and in progress for good (#34).
         state.running.pop(job.job_id, None)
-        if job.job_id not in state.superseded:  # else the lease is the other run's
-            await asyncio.shield(_release(state.redis, settings.queue, job.job_id))
         structlog.contextvars.unbind_contextvars("job_id")
 
 
@@ -178,13 +178,6 @@ async def _end_with(
         log.error("engine_dead", action="stopping worker so its supervisor restarts it")
         os.kill(os.getpid(), signal.SIGTERM)
     return failure
-
-
-async def _release(redis: Any, queue: str, job_id: str) -> None:
-    try:
-        await release_lease(redis, queue, job_id)
-    except Exception:  # Redis away: the lease expires and the reaper finds the terminal event
-        log.warning("lease_release_failed")
 
 
 async def _fail(publisher: StreamPublisher, ending: Ending) -> dict[str, Any]:

@@ -19,8 +19,10 @@
   worker/arq_seam.py), then the job function runs. A job that cannot start gets its one error
   event here (worker/outcomes.py, ``NotStarted``).
 - **Finish.** The job function publishes the stream's terminal event itself; the loop then
-  writes arq's result and removes the job's records (worker/arq_seam.py), unless another run
-  of the job took its stream over (``superseded``): those records are that run's.
+  writes arq's result and removes the job's records and its lease in one step
+  (worker/arq_seam.py), unless another run of the job took its stream over (``superseded``):
+  those records are that run's. Records Redis could not take keep their lease, whose expiry
+  finishes them.
 - **Drain.** A signal stops the claims; running jobs get the drain time to finish, then their
   tasks are cancelled (the job function ends them with ``shutdown``).
 """
@@ -43,7 +45,6 @@ from edgeq.core.connection import REDIS_ERRORS, tls_hint
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import retry_key, wake_channel
-from edgeq.core.leases import release_lease
 from edgeq.core.protocol import ErrorEvent
 from edgeq.core.tasks import cancel_and_wait
 from edgeq.worker.arq_seam import (
@@ -288,14 +289,24 @@ class JobLoop:
             result=result, started_ms=started_ms, finished_ms=int(time.time() * 1000),
             serializer=self.serializer,
         )  # fmt: skip
-        await finish_job(
-            self.redis,
-            job.job_id,
-            queue=self.config.queue,
-            abort_set=self.config.abort_set,
-            result=outcome,
-            keep_result_ms=int(self.config.keep_result_s * 1000),
-        )
+        # The job is over (its terminal event is out); only its records are left to write.
+        # Through a short Redis outage they are retried, so arq's result is there once Redis
+        # is; past a lease TTL the lease they keep until then finishes them (arq_seam.py).
+        give_up = time.monotonic() + self.config.lease_ttl_ms / 1000
+        while True:
+            try:
+                return await finish_job(
+                    self.redis,
+                    job.job_id,
+                    queue=self.config.queue,
+                    abort_set=self.config.abort_set,
+                    result=outcome,
+                    keep_result_ms=int(self.config.keep_result_s * 1000),
+                )
+            except REDIS_ERRORS:
+                if time.monotonic() >= give_up:
+                    raise
+                await asyncio.sleep(REDIS_RETRY_S)
 
     async def _fail_before_start(
         self, job: ClaimedJob, record: JobRecord | None, reason: NotStarted
@@ -303,20 +314,21 @@ class JobLoop:
         """End a job that cannot start with its one error event, and arq's records with it."""
         ending: Ending = not_started(reason)
         now_ms = int(time.time() * 1000)
-        await asyncio.shield(
-            self._finish(job, record, job.job_try, False, ending.as_result(), now_ms)
-        )
         self.count_not_started(ending.code.value)
         event = ErrorEvent(
             job_id=job.job_id, seq=0, code=ending.code.value, message=ending.message
         )
+        # The event first, as a job that ran ends: should Redis fail in between, the lease
+        # taken at the claim stays, and its expiry ends the job or hands it to a next claim.
         try:
-            await release_lease(self.redis, self.config.queue, job.job_id)  # leased at claim
             await self.events.append(event)
             log.info("job_failed", job_id=job.job_id, code=ending.code.value,
                      reason=ending.message)  # fmt: skip
         except StreamClosed:
             pass  # already ended (cancelled, or declared lost): one terminal event only
+        await asyncio.shield(
+            self._finish(job, record, job.job_try, False, ending.as_result(), now_ms)
+        )
 
     # --- cancel -----------------------------------------------------------------------------
 
