@@ -82,6 +82,10 @@ def test_a_short_campaign_still_gets_every_kind_of_fault_one_after_another(seed:
             assert fault.hold_s > 8  # past the workers' outage limit
         if fault.kind == "restart_redis":
             assert fault.how in ("SIGTERM", "SIGKILL")
+        if fault.kind == "slow_link":
+            assert 0.05 <= fault.delay_s <= 0.4 and fault.hold_s >= 3
+        else:
+            assert fault.delay_s == 0.0
 
 
 def test_a_long_campaign_keeps_faulting_until_its_quiet_tail() -> None:
@@ -196,6 +200,10 @@ def test_the_command_takes_its_options() -> None:
     assert (args.workers, args.in_flight, args.gateway) == (2, 8, False)
     with pytest.raises(SystemExit):
         build_parser(["chaos"]).parse_args(["chaos", "--faults", "flood"])
+    # Without --faults, every kind (run_chaos); the help names each one.
+    assert build_parser(["chaos"]).parse_args(["chaos"]).faults is None
+    chaos_help = build_parser(["chaos"])._subparsers._group_actions[0].choices["chaos"]
+    assert all(kind in chaos_help.format_help() for kind in FAULT_KINDS)
 
 
 # --- Redis restarted on its data -------------------------------------------------------------

@@ -9,7 +9,8 @@ RESTART_DELAY_S (systemd's ``Restart=always``), optionally the gateway, and then
   priority classes, through the Python client (and the gateway's HTTP API with ``--gateway``);
 - injects a seeded schedule of faults, one at a time (``FAULT_KINDS``): worker SIGKILL, worker
   SIGSTOP past its lease, Redis restart (SIGTERM or SIGKILL, same port and data), Redis away
-  past the workers' outage limit, gateway SIGKILL.
+  past the workers' outage limit, gateway SIGKILL, and one worker's link to Redis slowed or
+  cut: each worker reaches Redis through a proxy of the harness's own (testing/link.py).
 
 Every accepted job is then checked against docs/guarantees.md (``check_job``): one terminal
 event, ``seq`` gap-free and unrepeated, the live stream equal to the replay buffer, arq's
@@ -57,6 +58,7 @@ from edgeq.core.errors import (
 from edgeq.core.events import read_events
 from edgeq.core.keys import leases_key, result_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.testing.link import LinkProxy
 from edgeq.testing.processes import (
     DEFAULT_READY_TIMEOUT_S,
     GatewayProcess,
@@ -103,7 +105,12 @@ QUEUE = "edgeq:chaos"
 #: (tests/helpers.py FULL_LENGTH_SEEDS): a "long" chat is really long.
 LONG_SEED = 10
 
-FAULT_KINDS = ("kill_worker", "stop_worker", "restart_redis", "redis_outage", "kill_gateway")
+FAULT_KINDS = (
+    "kill_worker", "stop_worker", "restart_redis", "redis_outage", "kill_gateway",
+    "slow_link", "drop_link",
+)  # fmt: skip
+#: How late a slowed link delivers each byte, each way (seconds).
+SLOW_LINK_DELAY_S = (0.05, 0.4)
 JOB_KINDS = ("plain", "long", "json", "tool", "cancel", "deadline")
 #: Error codes a job may end with under faults (docs/guarantees.md); any other is a problem.
 EXPECTED_CODES = {
@@ -147,6 +154,8 @@ class Fault:
     target: int = 0
     #: The signal for a Redis restart (SIGTERM: a clean shutdown; SIGKILL: none).
     how: str = ""
+    #: A slowed link's delay, each way (seconds).
+    delay_s: float = 0.0
 
 
 def fault_hold_s(kind: str, rng: random.Random, lease_ttl_s: float, outage_s: float) -> float:
@@ -158,6 +167,10 @@ def fault_hold_s(kind: str, rng: random.Random, lease_ttl_s: float, outage_s: fl
         return rng.uniform(0.5, 3.0)
     if kind == "redis_outage":
         return rng.uniform(outage_s + 2, outage_s + 5)
+    if kind == "slow_link":
+        return rng.uniform(3.0, 8.0)
+    if kind == "drop_link":  # shorter than the lease (it rides it out) or well past it
+        return rng.uniform(1.0, 2.5 * lease_ttl_s)
     return 0.0  # a kill is instant; the supervisor restarts the process
 
 
@@ -181,7 +194,8 @@ def fault_schedule(
         if index >= len(first_round) and at + hold > duration_s * (1 - QUIET_TAIL):
             break
         how = rng.choice(("SIGTERM", "SIGKILL")) if kind == "restart_redis" else ""
-        faults.append(Fault(kind, round(at, 2), hold, rng.randrange(1000), how))
+        delay = round(rng.uniform(*SLOW_LINK_DELAY_S), 3) if kind == "slow_link" else 0.0
+        faults.append(Fault(kind, round(at, 2), hold, rng.randrange(1000), how, delay))
         at += hold + rng.uniform(*FAULT_GAP_S)
     return faults
 
@@ -347,6 +361,8 @@ class Cluster:
     #: Ctrl-C: the workers' exit codes on the way out say nothing.
     closing_by_interrupt: bool = False
     gateway_starts: int = 0
+    #: Each worker slot's link to Redis, by slot name (started in the campaign's event loop).
+    links: dict[str, LinkProxy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         data = self.workdir / "redis"
@@ -363,8 +379,18 @@ class Cluster:
     def redis_url(self) -> str:
         return self.redis.url
 
-    def worker_env(self) -> dict[str, str]:
-        env = tiny_model_env(self.model, self.redis_url, QUEUE) | {
+    async def start_links(self) -> None:
+        for slot in self.slots:
+            self.links[slot.name] = await LinkProxy(self.redis.port).start()
+
+    async def close_links(self) -> None:
+        for link in self.links.values():
+            await link.close()
+
+    def worker_env(self, slot: WorkerSlot) -> dict[str, str]:
+        link = self.links.get(slot.name)
+        url = self.redis_url if link is None else f"redis://127.0.0.1:{link.port}/0"
+        env = tiny_model_env(self.model, url, QUEUE) | {
             "EDGEQ_LEASE_TTL_S": str(self.lease_ttl_s),
             "EDGEQ_REDIS_OUTAGE_S": str(self.outage_s),
             "EDGEQ_DRAIN_TIMEOUT_S": "10",
@@ -380,7 +406,7 @@ class Cluster:
         slot.incarnation += 1
         slot.killed = slot.ready = slot.frozen = False
         log = self.workdir / "logs" / f"{slot.name}.{slot.incarnation}.log"
-        slot.worker = WorkerProcess(self.worker_env(), log).start()
+        slot.worker = WorkerProcess(self.worker_env(slot), log).start()
         return slot.worker
 
     async def start_workers(self) -> None:
@@ -633,6 +659,7 @@ class Campaign:
         self.report = Report(self.seed, self.duration_s)
         cluster = self.cluster
         cluster.redis.start()
+        await cluster.start_links()
         await cluster.start_workers()
         supervisors = [asyncio.create_task(cluster.supervise(slot)) for slot in cluster.slots]
         if cluster.gateway:
@@ -674,6 +701,8 @@ class Campaign:
                 task.cancel()
             await asyncio.gather(*supervisors, return_exceptions=True)
             await client.aclose()
+            # The workers still run: they lose Redis here, and close() stops them at once.
+            await cluster.close_links()
         self._final_checks()
         self.report.wall_s = time.monotonic() - started
         return self._summarize()
@@ -918,7 +947,7 @@ class Campaign:
         cluster = self.cluster
         start = self.now()
         detail = ""
-        if fault.kind in ("kill_worker", "stop_worker"):
+        if fault.kind in ("kill_worker", "stop_worker", "slow_link", "drop_link"):
             slot = await self._victim(fault)
             if slot is None:
                 self.report.skipped_faults.append(f"{fault.kind} at {start:.1f}: no worker ready")
@@ -927,6 +956,18 @@ class Campaign:
             detail = f"{slot.name}#{slot.incarnation} pid {slot.pid}"
             if fault.kind == "kill_worker":
                 cluster.kill_worker(slot)
+            elif fault.kind in ("slow_link", "drop_link"):
+                link = cluster.links[slot.name]
+                if fault.kind == "slow_link":
+                    link.slow(fault.delay_s)
+                    detail += f", {fault.delay_s * 1000:.0f} ms each way for {fault.hold_s:g} s"
+                else:
+                    link.stall()
+                    detail += f", cut {fault.hold_s:g} s (lease {cluster.lease_ttl_s:g} s)"
+                try:
+                    await asyncio.sleep(fault.hold_s)
+                finally:
+                    link.heal()
             else:
                 cluster.freeze_worker(slot, True)
                 try:

@@ -23,7 +23,7 @@ def run_make_tiny_model_command(*, directory: Path, seed: int) -> int:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-    from edgeq.testing.chaos import run_chaos_command  # the campaign: when it runs
+    from edgeq.testing.chaos import FAULT_KINDS, run_chaos_command  # the campaign: when it runs
 
     return run_chaos_command(
         duration_s=args.duration,
@@ -36,7 +36,7 @@ def run_chaos(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         lease_ttl_s=args.lease_ttl,
         outage_s=args.outage_limit,
-        faults=args.faults,
+        faults=args.faults or FAULT_KINDS,
     )
 
 
@@ -90,7 +90,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     chaos.add_argument(
         "--faults",
         type=fault_kinds,
-        default=("kill_worker", "stop_worker", "restart_redis", "redis_outage", "kill_gateway"),
-        help="comma-separated fault kinds (kill_gateway only with --gateway)",
+        default=None,
+        help=(
+            "comma-separated fault kinds (default: all): kill_worker, stop_worker, "
+            "restart_redis, redis_outage, kill_gateway (only with --gateway), slow_link, "
+            "drop_link"
+        ),
     )
     chaos.set_defaults(handler=run_chaos)
