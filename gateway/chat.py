@@ -125,7 +125,7 @@ async def submit(
             raise ApiError(
                 404,
                 f"the model {body.model!r} does not exist here; this gateway serves "
-                f"{', '.join(names)} (EDGEQ_MODEL, EDGEQ_GATEWAY_MODEL_ALIASES)",
+                f"{', '.join(names)} (EDGEQ_MODEL, EDGEQ_GATEWAY_MODEL_ALIASES, adapters)",
                 type="not_found_error",
                 code="model_not_found",
                 param="model",
@@ -133,6 +133,8 @@ async def submit(
         fields = body.edgeq_fields()
         if tenant is not None:
             fields["tenant"] = tenant
+        if body.model in await models.adapters():  # as vLLM's server: an adapter is a model
+            fields["adapter"] = body.model
         job = await client.submit(fields.pop("messages"), **fields)
     except UnsupportedField as error:
         raise ApiError(

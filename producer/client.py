@@ -23,6 +23,7 @@ from typing import Any, overload
 
 from pydantic import ValidationError
 
+from edgeq.core.adapters import known_adapter
 from edgeq.core.connection import make_redis, redis_errors
 from edgeq.core.errors import (
     EdgeqError,
@@ -304,8 +305,10 @@ class ChatClient:
         ``deadline_s`` (default EDGEQ_QUEUE_DEADLINE_S): a job not started by then ends with
         ``expired`` and never starts. ``priority=`` ("interactive", "default", "batch") and
         ``tenant=`` (default EDGEQ_TENANT) decide its place in the queue
-        (edgeq.core.scheduling). Raises QueueFull when EDGEQ_MAX_QUEUE jobs are queued or
-        running, or the tenant has its EDGEQ_TENANT_MAX_QUEUED queued.
+        (edgeq.core.scheduling). ``adapter=`` names a LoRA adapter to answer with; one that no
+        worker serves or will is refused here (InvalidRequest). Raises QueueFull when
+        EDGEQ_MAX_QUEUE jobs are queued or running, or the tenant has its
+        EDGEQ_TENANT_MAX_QUEUED queued.
         """
         settings = self.settings
         request = build_request(messages, **fields)
@@ -321,6 +324,8 @@ class ChatClient:
         )
         if problem:
             raise InvalidRequest(problem)
+        if request.adapter is not None:
+            await self._check_adapter(request.adapter)
         job_id = new_job_id(settings.queue)
         # The enqueue waits for the SUBSCRIBE to be written, not for a loop turn after it: both
         # go out in the next turn, the SUBSCRIBE first (and the enqueue not at all if it fails).
@@ -353,6 +358,16 @@ class ChatClient:
                 f"(EDGEQ_MAX_QUEUE); try again shortly"
             )
         return job
+
+    async def _check_adapter(self, name: str) -> None:
+        """Refuse an adapter no worker of the queue serves or will (core/adapters.py)."""
+        with redis_errors(self.settings.redis_url):
+            if await known_adapter(self.redis, self.settings.queue, name):
+                return
+        raise InvalidRequest(
+            f"adapter: {name!r} is not an adapter of queue {self.settings.queue}: it is not "
+            f"registered (`edgeq adapters list`) and no live worker serves it"
+        )
 
     @overload
     async def chat(

@@ -66,7 +66,8 @@ def _chat_fields(args: argparse.Namespace) -> dict[str, object]:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.prompt})
     fields: dict[str, object] = {"messages": messages, "return_reasoning": args.reasoning}
-    for name in ("temperature", "top_p", "max_tokens", "stop", "seed", "enable_thinking"):
+    names = ("temperature", "top_p", "max_tokens", "stop", "seed", "enable_thinking", "adapter")
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             fields[name] = value
@@ -196,6 +197,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     chat.add_argument("--max-tokens", dest="max_tokens", type=int, help="at least 1")
     chat.add_argument("--stop", action="append", help="a stop string (repeatable)")
     chat.add_argument("--seed", type=int, help="sampling seed, for repeatable answers")
+    chat.add_argument("--adapter", help="answer with this LoRA adapter (edgeq adapters list)")
     chat.add_argument(
         "--think",
         dest="enable_thinking",

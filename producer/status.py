@@ -106,6 +106,17 @@ def _counts(outcomes: dict[str, int]) -> str:
     return ", ".join(f"{outcome} {count}" for outcome, count in outcomes.items()) or "none"
 
 
+def _adapter_lines(workers: list[WorkerInfo]) -> list[str]:
+    """Each worker's LoRA adapters (docs/adapters.md), for the workers that hold or refused any."""
+    lines = []
+    for worker in workers:
+        if worker.adapters:
+            lines.append(f"  {worker.worker_id} adapters: {', '.join(worker.adapters)}")
+        for name, why in sorted(worker.adapters_refused.items()):
+            lines.append(f"  {worker.worker_id} refused adapter {name}: {why}")
+    return lines
+
+
 def render_status(status: QueueStatus) -> str:
     lines = [
         f"queue {status.queue} on {status.redis_url}",
@@ -127,6 +138,7 @@ def render_status(status: QueueStatus) -> str:
                 f"{worker.host}:{worker.metrics_port}" if worker.metrics_port else "off",
             ])  # fmt: skip
         lines += _table(rows)
+        lines += _adapter_lines(status.workers)
     else:
         lines.append("no live worker: jobs wait until one starts (or their deadline passes)")
     lines.append("")

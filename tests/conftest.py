@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 from edgeq.deploy.bundle import build_edgeq_wheel, download_wheelhouse, extras_for
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
+from edgeq.testing.tiny_adapter import make_tiny_adapter
 from edgeq.testing.tiny_model import make_tiny_model
 from helpers import FIGURES, engine_env, ready_worker
 
@@ -54,6 +55,25 @@ def clean_edgeq_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model")).directory
+
+
+@pytest.fixture(scope="session")
+def tiny_adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """LoRA adapters for the tiny model (edgeq.testing.tiny_adapter): two random ones, one
+    whose B matrices are zero, one of rank 16, one shaped for another base, and a directory
+    that is no adapter."""
+    root = tmp_path_factory.mktemp("tiny-adapters")
+    made = {
+        "one": make_tiny_adapter(root / "one", base_model=tiny_model, seed=1),
+        "two": make_tiny_adapter(root / "two", base_model=tiny_model, seed=2),
+        "three": make_tiny_adapter(root / "three", base_model=tiny_model, seed=3),
+        "zero": make_tiny_adapter(root / "zero", base_model=tiny_model, seed=4, zero_b=True),
+        "rank16": make_tiny_adapter(root / "rank16", base_model=tiny_model, rank=16),
+        "otherbase": make_tiny_adapter(root / "otherbase", base_model="other", hidden_size=256),
+    }
+    (root / "plain").mkdir()
+    (root / "plain" / "notes.txt").write_text("not an adapter")
+    return {**made, "plain": root / "plain"}
 
 
 @pytest.fixture(scope="session")

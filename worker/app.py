@@ -18,9 +18,11 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import structlog
 
+from edgeq.core.adapters import registered as adapter_registry
 from edgeq.core.cluster import is_cluster_url
 from edgeq.core.connection import REDIS_ERRORS, make_redis
 from edgeq.core.events import EventLog
@@ -39,6 +41,9 @@ from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.state import WorkerState, running_by_tenant
 from edgeq.worker.wire import dump_json, load_job
+
+if TYPE_CHECKING:
+    from edgeq.worker.adapters import AdapterHost
 
 # The loop's timeout is a backstop behind the job's (which publishes a proper `timeout` event).
 JOB_TIMEOUT_MARGIN_S = 10.0
@@ -69,6 +74,8 @@ def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
         state="draining" if state.draining.is_set() else "ready",
         running=len(state.running),
         running_by_tenant=running_by_tenant(state),
+        adapters=state.adapters.names if state.adapters else [],
+        adapters_refused=dict(state.adapters.refused) if state.adapters else {},
         max_jobs=settings.arq_max_jobs,
         metrics_port=settings.metrics_port or None,
         started_at=state.started_at,
@@ -130,14 +137,52 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+async def wanted_adapters(state: WorkerState) -> dict[str, str]:
+    """The adapters this worker should hold: those registered for the queue, and its own
+    (EDGEQ_ADAPTERS, which win a name both have)."""
+    settings = state.settings
+    return {**await adapter_registry(state.redis, settings.queue), **settings.adapters}
+
+
+async def follow_adapter_registry(state: WorkerState, host: AdapterHost) -> None:
+    """Each lease period (as the keep-alive round): load what ``edgeq adapters load`` added
+    to the registry, unload what it took out."""
+    period_s = state.settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await host.sync(await wanted_adapters(state))
+        except REDIS_ERRORS as error:
+            log.warning("adapter_registry_unreadable", error=f"{type(error).__name__}: {error}")
+
+
+async def start_adapters(state: WorkerState, engine: Engine) -> None:
+    """Load the adapters this worker serves, and follow the registry, when LoRA is on."""
+    llm = getattr(engine, "llm", None)  # vLLM's AsyncLLM; a stand-in engine has none
+    if not state.settings.lora or llm is None:
+        return
+    from edgeq.worker.adapters import AdapterHost  # imports vLLM
+
+    settings = state.settings
+    host = AdapterHost(llm, max_adapters=settings.max_adapters, max_rank=settings.max_adapter_rank)
+    await host.sync(await wanted_adapters(state))
+    state.adapters = host
+    state.background.append(asyncio.create_task(follow_adapter_registry(state, host)))
+
+
 async def start_engine(state: WorkerState, *, starter: EngineStarter = ChatEngine.start) -> None:
     """Build and warm the engine before the first job is claimed."""
     settings = state.settings
     # First, so producers' enqueues apply this box's weights and caps while the engine builds.
     await publish_tenancy(state.redis, settings.queue, settings.tenancy)
+    if settings.enable_lora is None and not settings.adapters:
+        # Adapters registered for the queue turn LoRA on, so this worker serves them too.
+        if await adapter_registry(state.redis, settings.queue):
+            settings = state.settings = settings.model_copy(update={"enable_lora": True})
     began = time.monotonic()
     engine = await starter(settings)
     built = time.monotonic()
+    await start_adapters(state, engine)
     if settings.warmup:
         await engine.warm_up()
     frozen_objects = freeze_startup_heap()
@@ -152,6 +197,7 @@ async def start_engine(state: WorkerState, *, starter: EngineStarter = ChatEngin
         max_model_len=engine.max_model_len,
         max_jobs=settings.arq_max_jobs,
         device=state.device,
+        adapters=state.adapters.names if state.adapters else None,
         metrics_port=settings.metrics_port or None,
         engine_build_s=round(built - began, 2),
         warmup_s=round(time.monotonic() - built, 3),

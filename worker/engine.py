@@ -107,7 +107,22 @@ def engine_args(settings: WorkerSettings) -> AsyncEngineArgs:
         structured_outputs_config=StructuredOutputsConfig()
         if settings.json_any_whitespace
         else StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+        **lora_args(settings),
     )
+
+
+def lora_args(settings: WorkerSettings) -> dict[str, Any]:
+    """vLLM's LoRA arguments, only when LoRA is on: its kernels cost every step otherwise."""
+    if not settings.lora:
+        return {}
+    # One number for both: every adapter held can be in a batch at once, so a job never waits
+    # for a slot behind another adapter's (and the worker never holds more than it can batch).
+    return {
+        "enable_lora": True,
+        "max_loras": settings.max_adapters,
+        "max_cpu_loras": settings.max_adapters,
+        "max_lora_rank": settings.max_adapter_rank,
+    }
 
 
 def describe_device(settings: WorkerSettings) -> str:
@@ -339,14 +354,18 @@ class ChatEngine:
         request_id: str,
         *,
         priority: Priority | None = None,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream DELTA outputs; leaving early (break, cancel) aborts the request in the engine.
-        Under EDGEQ_ENGINE_SCHEDULING=priority the engine schedules a higher class first."""
+        Under EDGEQ_ENGINE_SCHEDULING=priority the engine schedules a higher class first.
+        ``lora_request``: an adapter already loaded (worker/adapters.py); one that is not
+        would be loaded from disk inside the engine, which dies of a bad one."""
         stream = self.llm.generate(
             {"prompt_token_ids": prompt_token_ids},
             params,
             request_id,
             priority=band_of(priority) if self._by_priority else 0,
+            lora_request=lora_request,
         )
         async with contextlib.aclosing(stream) as outputs:
             async for output in outputs:

@@ -58,6 +58,7 @@ class Engine(Protocol):
         request_id: str,
         *,
         priority: Priority | None = None,
+        lora_request: Any = None,
     ) -> AsyncGenerator[Any, None]:
         """Stream outputs shaped like vLLM's DELTA ``RequestOutput``. Closing the generator
         early (a cancel, a timeout) aborts the request in the engine."""

@@ -41,7 +41,9 @@ from edgeq.core.protocol import (
     describe_validation_error,
     limit_problem,
 )
+from edgeq.core.scheduling import DEFAULT_TENANT
 from edgeq.core.structured import TokenLogprob
+from edgeq.worker.adapters import AdapterHost
 from edgeq.worker.engine import PromptTooLong
 from edgeq.worker.engine_api import Engine
 from edgeq.worker.lifecycle import StartedJob
@@ -126,6 +128,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
             result = await run_chat(
                 state.ready_engine, settings, metrics, publisher, payload,
                 job.enqueued_ms / 1000, earlier=earlier, continued=continued,
+                adapters=state.adapters,
             )  # fmt: skip
         # The same clock reading as the done event's total_ms: metric and event agree.
         outcome, e2e_s = "done", result.timings.total_ms / 1000
@@ -248,21 +251,73 @@ async def run_chat(
     *,
     earlier: Sequence[AnyEvent] = (),
     continued: int = 0,
+    adapters: AdapterHost | None = None,
 ) -> ChatResult:
     started_s = time.time()
-    generation = await prepare_generation(engine, parse_request(payload, settings), earlier,
-                                          continued=continued)  # fmt: skip
-    request, labels = generation.request, metrics.job_labels(generation.request)
+    request = parse_request(payload, settings)
+    adapter = job_adapter(request, settings)
+    # Entered before anything is rendered: a job this worker cannot serve is refused at once,
+    # and an adapter in use is not unloaded under it (worker/adapters.py).
+    with serving_adapter(adapters, adapter) as lora_request:
+        return await _run_chat(
+            engine, settings, metrics, publisher, request, enqueued_s, started_s,
+            earlier=earlier, continued=continued, adapter=adapter, lora_request=lora_request,
+        )  # fmt: skip
+
+
+def job_adapter(request: ChatRequest, settings: WorkerSettings) -> str | None:
+    """The adapter a job answers with: its own, else its tenant's default (applied here, on
+    the worker, so it holds for every producer and for a continued job alike)."""
+    if request.adapter is not None:
+        return request.adapter
+    return settings.tenant_adapters.get(request.tenant or DEFAULT_TENANT)
+
+
+@contextlib.contextmanager
+def serving_adapter(adapters: AdapterHost | None, name: str | None) -> Iterator[Any]:
+    """The LoRARequest for ``name`` while the job runs (None: the base model); JobRefused
+    (invalid_request, naming it) where this worker cannot serve it."""
+    if name is None:
+        yield None
+        return
+    if adapters is None:
+        raise JobRefused(
+            ErrorCode.INVALID_REQUEST,
+            f"invalid request: adapter {name!r} is not served: this worker runs without LoRA "
+            f"(EDGEQ_ENABLE_LORA, EDGEQ_ADAPTERS)",
+        )
+    with adapters.use(name) as lora_request:
+        yield lora_request
+
+
+async def _run_chat(
+    engine: Engine,
+    settings: WorkerSettings,
+    metrics: WorkerMetrics,
+    publisher: StreamPublisher,
+    request: ChatRequest,
+    enqueued_s: float,
+    started_s: float,
+    *,
+    earlier: Sequence[AnyEvent],
+    continued: int,
+    adapter: str | None,
+    lora_request: Any,
+) -> ChatResult:
+    generation = await prepare_generation(engine, request, earlier, continued=continued)
+    labels = metrics.job_labels(request)
 
     def announce_start() -> None:
         metrics.job_started(
             labels, queued_s=started_s - enqueued_s, prompt_tokens=len(generation.prompt)
         )
+        metrics.adapter_job_started(adapter)
         log.info(
             "job_continued" if continued else "job_started",
             queued_ms=_ms_since(enqueued_s, started_s),
             priority=labels.priority,
             tenant=request.tenant,
+            adapter=adapter,
             prompt_tokens=len(generation.prompt),
             max_tokens=max(generation.left, 0),
             thinking=generation.thinking,
@@ -280,8 +335,9 @@ async def run_chat(
     # before the engine instead of ~139 (simulated GPU on a 2-vCPU machine, 2026-12-05).
     with sooner_or_on_exit(announce_start):
         answer, tool_calls = await stream_answer(
-            engine, generation, publisher, settings, metrics, labels, enqueued_s
-        )
+            engine, generation, publisher, settings, metrics, labels, enqueued_s,
+            lora_request=lora_request,
+        )  # fmt: skip
     return await finish_chat(
         publisher, settings, generation, answer, tool_calls, continued=continued,
         timings=Timings(
@@ -330,6 +386,8 @@ async def stream_answer(
     metrics: WorkerMetrics,
     labels: JobLabels,
     enqueued_s: float,
+    *,
+    lora_request: Any = None,
 ) -> tuple[Answer, list[Any] | None]:
     """Generate and publish the answer's deltas; the answer and its tool calls, if any."""
     request = generation.request
@@ -340,9 +398,11 @@ async def stream_answer(
         finish_reason="abort" if generation.params else "length",
     )
     last_tokens_s: float | None = None
+    # The adapter only when there is one: a stand-in engine (bench/simulate.py) takes none.
+    adapter = {"lora_request": lora_request} if lora_request is not None else {}
     outputs = (
         engine.generate(generation.prompt, generation.params, publisher.job_id,
-                        priority=request.priority)
+                        priority=request.priority, **adapter)
         if generation.params
         else _nothing()
     )  # fmt: skip

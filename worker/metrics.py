@@ -50,6 +50,10 @@ REQUEST_BUCKETS_S = (
 OTHER_TENANT = "other"
 
 
+#: The adapter label of a job answered by the base model.
+BASE_ADAPTER = "base"
+
+
 class JobLabels(NamedTuple):
     priority: str
     tenant: str
@@ -123,12 +127,24 @@ class WorkerMetrics:
             registry=registry,
         )
 
+        self.adapter_requests = Counter(
+            "edgeq:adapter_requests",
+            'Jobs started, by the LoRA adapter they ran with ("base": the base model).',
+            ["adapter"],
+            registry=registry,
+        )
+
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self.tenants else OTHER_TENANT
 
     def job_labels(self, request: ChatRequest) -> JobLabels:
         tenant = self.tenant_label(request.tenant or DEFAULT_TENANT)
         return JobLabels(request.priority or DEFAULT_PRIORITY, tenant)
+
+    def adapter_job_started(self, adapter: str | None) -> None:
+        """A job started with ``adapter``: a name the worker held (jobs naming any other are
+        refused before they start), so the label set is bounded by what it loads."""
+        self.adapter_requests.labels(adapter=adapter or BASE_ADAPTER).inc()
 
     def count_tenants(self, *, running: Mapping[str, int], waiting: Mapping[str, int]) -> None:
         for gauge, counts in ((self.tenant_running, running), (self.tenant_waiting, waiting)):

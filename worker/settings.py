@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import NoDecode
 
+from edgeq.core.adapters import AdapterPaths, TenantAdapters
 from edgeq.core.logs import LogLevel
 from edgeq.core.scheduling import TENANT_PATTERN, Tenancy
 from edgeq.core.settings import ConnectionSettings
@@ -35,6 +36,9 @@ def _tenant_map(value: Any) -> Any:
 
 #: A comma-separated tenant=number list, as EDGEQ_TENANT_WEIGHTS and EDGEQ_TENANT_MAX_QUEUED.
 TenantMap = Annotated[dict[str, float], NoDecode, BeforeValidator(_tenant_map)]
+
+#: The largest adapter ranks vLLM's engine can be built for (its LoRAConfig.max_lora_rank).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 Dtype = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 Profile = Literal["latency", "throughput", "edge-small"]
@@ -148,6 +152,20 @@ class WorkerSettings(ConnectionSettings):
     # arrival order.
     engine_scheduling: Literal["priority", "fcfs"] = "priority"
 
+    # LoRA adapters on the one base model (docs/adapters.md). EDGEQ_ADAPTERS: name=path entries
+    # served from start-up, besides those registered for the queue (``edgeq adapters load``).
+    # enable_lora: None turns LoRA on in the engine only when an adapter is set here or
+    # registered when the worker starts (LoRA's kernels cost every step, adapter or not); true
+    # also lets a worker started with none serve adapters loaded later.
+    enable_lora: bool | None = None
+    adapters: AdapterPaths = Field(default_factory=dict)
+    # The most adapters held at once (vLLM's max_loras and max_cpu_loras), and the largest rank.
+    max_adapters: int = Field(4, ge=1)
+    max_adapter_rank: int = Field(16, ge=1, le=max(LORA_RANKS))
+    # tenant=adapter: the adapter a tenant's requests answer with when they name none. Applied
+    # by the worker, so every producer (any language, the gateway) gets it.
+    tenant_adapters: TenantAdapters = Field(default_factory=dict)
+
     # How the worker runs.
     # How many steps nicer (lower CPU priority) the engine's processes run than the worker, so
     # the worker's event loop is not kept waiting for a core behind them (worker/vllm_plugin.py;
@@ -208,6 +226,28 @@ class WorkerSettings(ConnectionSettings):
                 f"EDGEQ_MAX_JOBS ({self.arq_max_jobs}), or no batch job could ever run"
             )
         return self
+
+    @model_validator(mode="after")
+    def _adapter_rules(self) -> WorkerSettings:
+        if self.max_adapter_rank not in LORA_RANKS:
+            raise ValueError(
+                f"EDGEQ_MAX_ADAPTER_RANK: vLLM takes one of {', '.join(map(str, LORA_RANKS))} "
+                f"(got {self.max_adapter_rank})"
+            )
+        if len(self.adapters) > self.max_adapters:
+            raise ValueError(
+                f"EDGEQ_ADAPTERS names {len(self.adapters)} adapters, more than "
+                f"EDGEQ_MAX_ADAPTERS ({self.max_adapters}) holds"
+            )
+        if self.adapters and self.enable_lora is False:
+            raise ValueError("EDGEQ_ADAPTERS needs LoRA in the engine: EDGEQ_ENABLE_LORA is false")
+        return self
+
+    @property
+    def lora(self) -> bool:
+        """LoRA on in the engine: asked for, or adapters set here (app.start_engine also turns
+        it on for adapters registered in Redis)."""
+        return self.enable_lora if self.enable_lora is not None else bool(self.adapters)
 
     @property
     def tenancy(self) -> Tenancy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from arq.connections import ArqRedis
 
@@ -12,6 +13,9 @@ from edgeq.core.events import EventLog
 from edgeq.worker.engine_api import Engine
 from edgeq.worker.metrics import WorkerMetrics
 from edgeq.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:  # imports vLLM
+    from edgeq.worker.adapters import AdapterHost
 
 
 @dataclass
@@ -33,6 +37,8 @@ class WorkerState:
     #: Set once the engine is built and warm (app.start_engine); cleared on shutdown.
     engine: Engine | None = None
     device: str = ""
+    #: The LoRA adapters the engine holds; None when LoRA is off (worker/adapters.py).
+    adapters: AdapterHost | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property

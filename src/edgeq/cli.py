@@ -21,6 +21,7 @@ from edgeq import __version__
 #: lists them. tests/test_layout.py checks the names against what each module registers.
 COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.commands": ("chat", "watch", "cancel", "status"),
+    "edgeq.producer.adapter_commands": ("adapters",),
     "edgeq.gateway.commands": ("gateway",),
     "edgeq.worker.commands": ("worker",),
     "edgeq.testing.commands": ("make-tiny-model", "chaos"),

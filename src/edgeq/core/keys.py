@@ -26,6 +26,8 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
   and ``{queue}:aging``: priority classes and tenants' fair shares (core/scheduling.py);
 - ``{queue}:abort``: on a Redis Cluster only, arq's abort set for this queue (elsewhere arq's
   own ``arq:abort``, one set for every queue).
+- ``{queue}:adapters``: hash, LoRA adapter name -> its path on the workers, the adapters every
+  worker on the queue serves (core/adapters.py, ``edgeq adapters``).
 """
 
 from __future__ import annotations
@@ -138,6 +140,11 @@ def tenant_of_key(queue: str) -> str:
 def queued_by_tenant_key(queue: str) -> str:
     """A hash per queue: tenant -> jobs queued and not yet claimed."""
     return f"{queue}:queued-by-tenant"
+
+
+def adapters_key(queue: str) -> str:
+    """A hash per queue: LoRA adapter name -> its path as the workers see it."""
+    return f"{queue}:adapters"
 
 
 def aging_key(queue: str) -> str:

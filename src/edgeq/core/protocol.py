@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from edgeq.core.adapters import ADAPTER_PATTERN
 from edgeq.core.scheduling import TENANT_PATTERN, Priority
 from edgeq.core.structured import (
     MAX_TOP_LOGPROBS,
@@ -104,6 +105,9 @@ class ChatRequest(BaseModel):
     # None: "default", and the client's EDGEQ_TENANT.
     priority: Priority | None = None
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    # The LoRA adapter to answer with (core/adapters.py); None: the tenant's default adapter
+    # on the worker (EDGEQ_TENANT_ADAPTERS), else the base model.
+    adapter: str | None = Field(None, pattern=ADAPTER_PATTERN)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -38,6 +38,9 @@ class WorkerInfo(BaseModel):
     state: Literal["starting", "ready", "draining"]
     running: int
     running_by_tenant: dict[str, int] = {}
+    #: The LoRA adapters it serves now, and those it refused with why (core/adapters.py).
+    adapters: list[str] = []
+    adapters_refused: dict[str, str] = {}
     max_jobs: int
     metrics_port: int | None
     started_at: float

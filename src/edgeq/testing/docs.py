@@ -223,6 +223,8 @@ def _type_name(name: str, annotation: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(f"`{value}`" for value in typing.get_args(annotation))
     if origin is dict:
+        if typing.get_args(annotation)[1] is str:  # EDGEQ_ADAPTERS, EDGEQ_TENANT_ADAPTERS
+            return "list of `name=value`, comma-separated"
         return "list of `tenant=number`, comma-separated"
     if origin is list:
         (item,) = typing.get_args(annotation)
