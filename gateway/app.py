@@ -11,6 +11,8 @@ model. Its parts each have a room of their own, and ``create_app`` only joins th
     probes.py   /health, /ready
     models.py   /v1/models, and the model names a request may ask for
     chat.py     /v1/chat/completions
+    responses.py /v1/responses (response_events.py, response_store.py, response_follower.py,
+                webhooks.py: background responses, resumable streams, signed webhooks)
 
 A new OpenAI resource (/v1/files, /v1/batches, /v1/responses) is one more module with an
 APIRouter, included below.
@@ -23,9 +25,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from edgeq.gateway import chat, models, probes
+from edgeq.gateway import chat, models, probes, responses
 from edgeq.gateway.errors import install_error_handlers
 from edgeq.gateway.models import ModelNames
+from edgeq.gateway.response_follower import follow_responses
 from edgeq.gateway.settings import GatewaySettings
 from edgeq.producer.client import ChatClient
 
@@ -37,7 +40,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     async with ChatClient(settings) as client:
         app.state.client = client
         app.state.models = ModelNames(client, settings)
-        yield
+        async with follow_responses(app, client):
+            yield
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -47,6 +51,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # Set now, not in the lifespan: the API key check needs no Redis (state.py).
     app.state.settings = settings
     install_error_handlers(app)
-    for room in (probes, models, chat):
+    for room in (probes, models, chat, responses):
         app.include_router(room.router)
     return app

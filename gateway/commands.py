@@ -19,7 +19,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    return run_gateway(env_file=args.env_file, host=args.host, port=args.port)
+    return run_gateway(env_file=args.env_file, host=args.host, port=args.port, workers=args.workers)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -31,5 +31,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument("--host", help="address to listen on (overrides EDGEQ_GATEWAY_HOST)")
     gateway.add_argument(
         "--port", type=int, help="port to listen on (overrides EDGEQ_GATEWAY_PORT)"
+    )
+    gateway.add_argument(
+        "--workers",
+        type=int,
+        help="gateway processes serving the port (overrides EDGEQ_GATEWAY_WORKERS)",
     )
     gateway.set_defaults(handler=run_gateway_command)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import structlog
 import uvicorn
+from fastapi import FastAPI
 
 from edgeq.core.errors import ConfigError
 from edgeq.core.logs import configure_logging
@@ -16,13 +18,33 @@ from edgeq.gateway.app import create_app
 from edgeq.gateway.settings import GatewaySettings
 
 SHUTDOWN_MARGIN_S = 2.0
+#: How ``--workers N`` hands the parent's settings to its N processes (uvicorn starts them
+#: fresh from an import string, so they cannot be given the object itself).
+SETTINGS_ENV = "EDGEQ_GATEWAY_SETTINGS_JSON"
 
 
-def run_gateway(*, env_file: Path | None, host: str | None = None, port: int | None = None) -> int:
-    """``host`` and ``port`` (the command's --host/--port) win over the settings."""
+def app_from_parent() -> FastAPI:
+    """The app of one of ``--workers N`` processes: the parent's settings, exactly."""
+    settings = GatewaySettings.model_validate_json(os.environ[SETTINGS_ENV])
+    configure_logging(settings.log_level)
+    return create_app(settings)
+
+
+def run_gateway(
+    *,
+    env_file: Path | None,
+    host: str | None = None,
+    port: int | None = None,
+    workers: int | None = None,
+) -> int:
+    """``host``, ``port`` and ``workers`` (the command's options) win over the settings."""
     overrides = {
         name: value
-        for name, value in (("gateway_host", host), ("gateway_port", port))
+        for name, value in (
+            ("gateway_host", host),
+            ("gateway_port", port),
+            ("gateway_workers", workers),
+        )
         if value is not None
     }
     try:
@@ -38,7 +60,10 @@ def run_gateway(*, env_file: Path | None, host: str | None = None, port: int | N
         queue=settings.queue,
         auth="bearer" if settings.auth_required else "off",
         tenant_keys=len(settings.gateway_tenant_keys),
+        workers=settings.gateway_workers,
     )
+    if settings.gateway_workers > 1:
+        return _run_processes(settings)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(settings),
@@ -64,4 +89,22 @@ def run_gateway(*, env_file: Path | None, host: str | None = None, port: int | N
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE
+    return EXIT_OK
+
+
+def _run_processes(settings: GatewaySettings) -> int:
+    """``--workers N``: uvicorn's supervisor and N processes on one socket. The gateway keeps
+    no state of its own (everything is in Redis), so any process serves any request."""
+    os.environ[SETTINGS_ENV] = settings.model_dump_json()
+    uvicorn.run(
+        "edgeq.gateway.server:app_from_parent",
+        factory=True,
+        host=settings.gateway_host,
+        port=settings.gateway_port,
+        workers=settings.gateway_workers,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=settings.gateway_shutdown_timeout_s + SHUTDOWN_MARGIN_S,
+        lifespan="on",
+    )
     return EXIT_OK

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from edgeq.core.logs import LogLevel
@@ -17,6 +17,18 @@ CommaList = Annotated[list[str], NoDecode]
 #: (tenant, key) pairs, from ``tenant=key,tenant=key``; checked by the model validator, whose
 #: errors are the only ones that never echo the raw value (it holds the keys).
 TenantKeys = Annotated[list[tuple[str, str]], NoDecode]
+
+
+class WebhookEndpoint(BaseModel):
+    """One operator-configured webhook receiver (EDGEQ_GATEWAY_WEBHOOKS)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str = Field(pattern=r"^https?://")
+    #: The signing secret: OpenAI's ``whsec_<base64>``, or any other string used as it is.
+    secret: str = Field(min_length=8, repr=False)
+    #: Only this tenant's responses; None: every tenant's.
+    tenant: str | None = Field(None, pattern=TENANT_PATTERN)
 
 
 class GatewaySettings(ConnectionSettings):
@@ -43,6 +55,40 @@ class GatewaySettings(ConnectionSettings):
     gateway_model_aliases: CommaList = Field(
         default_factory=list,
         description="Other model names accepted for the same model, e.g. Qwen-0.6B.",
+    )
+    # OpenAI's Responses API and its webhooks (gateway/responses.py, docs/responses.md).
+    gateway_workers: int = Field(
+        1, ge=1, le=64, description="Gateway processes serving the port (`--workers` wins)."
+    )
+    gateway_response_ttl_s: float = Field(
+        86400.0, gt=0, description="How long a stored response (/v1/responses) is kept."
+    )
+    gateway_response_lease_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "A stored response whose follower (a gateway) is silent this long is followed by "
+            "another, which sends its webhooks."
+        ),
+    )
+    gateway_webhooks: list[WebhookEndpoint] = Field(
+        default_factory=list,
+        description=(
+            'JSON list of webhook endpoints, [{"url": ..., "secret": "whsec_...", "tenant": '
+            "...}]: each gets every ended response (or only its tenant's), signed with its secret."
+        ),
+    )
+    gateway_webhook_retry_s: float = Field(
+        259200.0, gt=0, description="How long a webhook is retried before it is given up (72 h)."
+    )
+    gateway_webhook_backoff_s: float = Field(
+        5.0, gt=0, description="Wait before a webhook's first retry; doubled after each failure."
+    )
+    gateway_webhook_timeout_s: float = Field(
+        10.0, gt=0, description="How long one webhook attempt may take."
+    )
+    gateway_webhook_concurrency: int = Field(
+        4, ge=1, description="Attempts in flight to one endpoint, per gateway process."
     )
     gateway_retry_after_s: int = Field(
         1, ge=1, description="Retry-After (seconds) sent with 429 when the queue is full."

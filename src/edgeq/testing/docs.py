@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import annotated_types
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -230,6 +230,8 @@ def _type_name(name: str, annotation: Any) -> str:
         (item,) = typing.get_args(annotation)
         if typing.get_origin(item) is tuple:
             return "list of `tenant=key`, comma-separated"
+        if isinstance(item, type) and issubclass(item, BaseModel):  # EDGEQ_GATEWAY_WEBHOOKS
+            return "JSON list of objects"
         return "list, comma-separated"
     names = {bool: "boolean", int: "integer", float: "number", str: "string"}
     if annotation in names:

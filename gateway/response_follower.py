@@ -1,0 +1,143 @@
+"""Who notices that a stored response ended when nobody is reading it: every gateway process
+runs a ``ResponseFollower``, and each open response is followed by exactly one of them at a
+time, the one holding its lease (renewed while it follows; a gateway that dies lets it run
+out, and another process takes the response over).
+
+When the response's job ends, its follower queues the response's webhook event, then keeps
+the job's events with the stored request (the replay buffer is kept for less long) and takes it
+off the open set. In that order: a follower that dies between the two steps leaves the
+response open, so the next one queues the event again (the same webhook-id: at least once).
+Following a job also watches its worker's lease (ChatJob does), so a background response whose
+worker died is continued even with no HTTP client attached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+from fastapi import FastAPI
+
+from edgeq.core.errors import EdgeqError
+from edgeq.core.events import read_events
+from edgeq.core.protocol import DoneEvent, ErrorEvent
+from edgeq.core.tasks import cancel_and_wait
+from edgeq.gateway.response_events import final_state, response_id
+from edgeq.gateway.response_store import ResponseStore
+from edgeq.gateway.settings import GatewaySettings
+from edgeq.gateway.webhooks import WebhookSender, enqueue_event
+from edgeq.producer.client import ChatClient
+
+log = structlog.get_logger("edgeq.gateway")
+
+SCAN_INTERVAL_S = 0.5
+
+
+class ResponseFollower:
+    def __init__(self, client: ChatClient, store: ResponseStore, settings: GatewaySettings) -> None:
+        self.client = client
+        self.store = store
+        self.settings = settings
+        self.owner = uuid.uuid4().hex
+        self.lease_ms = int(settings.gateway_response_lease_s * 1000)
+        self.following: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    await self._scan()
+                except Exception as error:  # Redis away: tried again on the next scan
+                    log.warning("response_scan_failed", error=f"{type(error).__name__}: {error}")
+                await asyncio.sleep(SCAN_INTERVAL_S)
+        finally:
+            await cancel_and_wait(*self.following.values())
+            for job_id in list(self.following):  # let another gateway take them at once
+                try:
+                    await self.store.release(job_id)
+                except Exception:  # the lease runs out on its own
+                    pass
+
+    async def _scan(self) -> None:
+        for job_id in await self.store.open_ids():
+            if job_id in self.following:
+                continue
+            if not await self.store.claim(job_id, self.owner, self.lease_ms):
+                continue
+            task = asyncio.create_task(self._follow(job_id))
+            self.following[job_id] = task
+            task.add_done_callback(lambda _, job_id=job_id: self.following.pop(job_id, None))
+
+    async def _follow(self, job_id: str) -> None:
+        renewing = asyncio.create_task(self._renew(job_id))
+        bound = log.bind(job_id=job_id)
+        try:
+            while True:
+                try:
+                    if await self._until_ended(job_id):
+                        return
+                except EdgeqError as error:  # a stream timeout, Redis away: follow again
+                    bound.info("response_follow_retry", error=str(error))
+                    await asyncio.sleep(1.0)
+        finally:
+            await cancel_and_wait(renewing)
+
+    async def _until_ended(self, job_id: str) -> bool:
+        job = await self.client.attach(job_id)
+        try:
+            async for event in job.stream():
+                if isinstance(event, DoneEvent | ErrorEvent):
+                    break
+        finally:
+            await job.aclose()
+        loaded = await self.store.load(job_id)
+        if loaded is None:  # deleted or expired meanwhile
+            await self.store.delete(job_id)
+            await self.store.release(job_id)
+            return True
+        request, _ = loaded
+        events = await read_events(self.client.redis, job_id)
+        state = final_state(request, events)
+        await enqueue_event(
+            self.client.redis,
+            self.settings,
+            event_type=f"response.{state.status}",
+            response_id=response_id(job_id),
+            tenant=request.get("tenant"),
+        )
+        await self.store.finish(job_id, events)
+        await self.store.release(job_id)
+        log.info("response_ended", job_id=job_id, status=state.status)
+        return True
+
+    async def _renew(self, job_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            try:
+                if not await self.store.renew(job_id, self.owner, self.lease_ms):
+                    log.warning("response_follow_lost", job_id=job_id)
+                    task = self.following.get(job_id)
+                    if task is not None:
+                        task.cancel()
+                    return
+            except Exception as error:  # Redis away: the next renewal tries again
+                log.warning("response_renew_failed", job_id=job_id, error=str(error))
+
+
+@asynccontextmanager
+async def follow_responses(app: FastAPI, client: ChatClient) -> AsyncIterator[None]:
+    """For the app's life: its response store, and this process's follower and webhook
+    sender running in the background."""
+    settings: GatewaySettings = app.state.settings
+    store = ResponseStore(client.redis, queue=settings.queue, ttl_s=settings.gateway_response_ttl_s)
+    app.state.responses = store
+    tasks = [asyncio.create_task(ResponseFollower(client, store, settings).run())]
+    if settings.gateway_webhooks:
+        tasks.append(asyncio.create_task(WebhookSender(client.redis, settings).run()))
+    try:
+        yield
+    finally:
+        await cancel_and_wait(*tasks)

@@ -1,0 +1,503 @@
+"""``/v1/responses``: OpenAI's Responses API, each response one edgeq chat job.
+
+    POST   /v1/responses                 create (stream, background, store, previous_response_id)
+    GET    /v1/responses/{id}            the response now; ``?stream=true&starting_after=N``
+                                         replays its events after N, then follows it live
+    POST   /v1/responses/{id}/cancel     cancel its job
+    DELETE /v1/responses/{id}            forget it (and cancel its job if it still runs)
+
+The gateway keeps no state: a stored response is its request in Redis (response_store.py) and
+its job's events; its stream is computed from them (response_events.py), so any gateway
+process serves any response, and a stream resumes at the event after ``starting_after`` after
+the client, the gateway, a worker or Redis (with AOF) went away. A stored response belongs to
+the tenant that created it: another tenant gets 404, as for an id that does not exist.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import anyio
+import structlog
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from edgeq.core.errors import EdgeqError
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, dump_json
+from edgeq.gateway.auth import TenantDep
+from edgeq.gateway.chat import submit
+from edgeq.gateway.errors import ApiError, client_error, job_error
+from edgeq.gateway.jobs import (
+    CLIENT_CLOSED_REQUEST,
+    JOB_ID_HEADER,
+    ClientGone,
+    cancel_job,
+    until_disconnected,
+)
+from edgeq.gateway.models import ModelNamesDep
+from edgeq.gateway.openai_api import ChatCompletionRequest
+from edgeq.gateway.response_events import (
+    TERMINAL_STATUSES,
+    ResponseEvents,
+    ResponseState,
+    final_state,
+    job_id_of,
+    response_json,
+)
+from edgeq.gateway.response_store import ResponseStore
+from edgeq.gateway.state import ClientDep, SettingsDep
+from edgeq.producer.client import ChatClient, ChatJob
+
+log = structlog.get_logger("edgeq.gateway")
+router = APIRouter()
+
+#: How the chat request (whose errors name its fields) spells a Responses field.
+RENAMED_FIELDS = (
+    ("response_format.json_schema.json_schema.schema", "text.format.schema"),
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("max_tokens", "max_output_tokens"),
+)
+
+# --- the request -----------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    # A field edgeq does not know is refused with a 400 naming it, never silently dropped.
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] | None = None
+    id: str | None = None
+    status: str | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallInput(_Strict):
+    type: Literal["function_call"]
+    id: str | None = None
+    status: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(_Strict):
+    type: Literal["function_call_output"]
+    id: str | None = None
+    status: str | None = None
+    call_id: str
+    output: str
+
+
+InputItem = FunctionCallInput | FunctionCallOutput | InputMessage
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class CreateResponse(_Strict):
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    background: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    previous_response_id: str | None = None
+    user: str | None = None  # OpenAI's end-user tag: changes nothing in the answer
+    seed: int | None = None  # edgeq's (and vLLM's) extension, sent as the SDK's extra_body
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as edgeq's chat messages (the instructions are not among them)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        messages: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                role = "system" if item.role == "developer" else item.role
+                messages.append({"role": role, "content": item.text()})
+            elif isinstance(item, FunctionCallOutput):
+                messages.append(
+                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+                )
+            else:
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        return messages
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The sampling, format and tool fields in the chat endpoint's spelling."""
+        fields: dict[str, Any] = {
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        form = self.text.format if self.text is not None else None
+        if form is not None and form.type == "json_schema":
+            if form.schema_ is None:
+                raise ApiError(
+                    400,
+                    "text.format.schema: a json_schema format needs a schema",
+                    type="invalid_request_error",
+                    code="invalid_request",
+                    param="text.format.schema",
+                )
+            spec = {"name": form.name or "answer", "schema": form.schema_}
+            if form.strict is not None:
+                spec["strict"] = form.strict
+            if form.description is not None:
+                spec["description"] = form.description
+            fields["response_format"] = {"type": "json_schema", "json_schema": spec}
+        elif form is not None and form.type == "json_object":
+            fields["response_format"] = {"type": "json_object"}
+        if self.tools:
+            fields["tools"] = [
+                {
+                    "type": "function",
+                    "function": tool.model_dump(exclude={"type"}, exclude_none=True),
+                }
+                for tool in self.tools
+            ]
+        if isinstance(self.tool_choice, FunctionChoice):
+            fields["tool_choice"] = {
+                "type": "function",
+                "function": {"name": self.tool_choice.name},
+            }
+        elif self.tool_choice is not None:
+            fields["tool_choice"] = self.tool_choice
+        return {name: value for name, value in fields.items() if value is not None}
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+async def response_store(request: Request) -> ResponseStore:
+    store: ResponseStore = request.app.state.responses
+    return store
+
+
+StoreDep = Annotated[ResponseStore, Depends(response_store)]
+
+
+def not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(
+        404 if param is None else 400,
+        f"{param + ': ' if param else ''}no response with id {response_id!r} (it was never "
+        f"stored, was deleted, expired after EDGEQ_GATEWAY_RESPONSE_TTL_S, or belongs to "
+        f"another tenant)",
+        type="not_found_error" if param is None else "invalid_request_error",
+        code="response_not_found",
+        param=param,
+    )
+
+
+async def load_owned(
+    store: ResponseStore,
+    response_id: str,
+    tenant: str,
+    *,
+    param: str | None = None,
+) -> tuple[dict[str, Any], list[DeltaEvent | DoneEvent | ErrorEvent] | None]:
+    """The stored response if ``tenant`` owns it; else the same error as for no response."""
+    job_id = job_id_of(response_id)
+    loaded = None if job_id is None else await store.load(job_id)
+    if loaded is None or loaded[0].get("tenant") != tenant:
+        raise not_found(response_id, param)
+    return loaded
+
+
+def tenant_of(tenant: str | None, client: ChatClient) -> str:
+    return tenant or client.settings.tenant
+
+
+async def current_state(
+    store: ResponseStore, request: dict[str, Any], stored: list[Any] | None
+) -> ResponseState:
+    events = await store.events(request["job_id"], stored)
+    return final_state(request, events)
+
+
+def sse(event: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(event=event["type"], data=dump_json(event).decode())
+
+
+# --- routes ----------------------------------------------------------------------------------
+
+
+@router.post("/v1/responses")
+async def create_response(
+    request: Request,
+    body: CreateResponse,
+    tenant: TenantDep,
+    client: ClientDep,
+    models: ModelNamesDep,
+    settings: SettingsDep,
+    store: StoreDep,
+) -> Response:
+    owner = tenant_of(tenant, client)
+    if body.background and not body.store:
+        raise ApiError(
+            400,
+            "background: a background response must be stored; send store=true or leave it out",
+            type="invalid_request_error",
+            code="invalid_request",
+            param="background",
+        )
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        history = await _conversation_of(store, body.previous_response_id, owner)
+    messages = history + body.messages()
+    if body.instructions:
+        messages = [{"role": "system", "content": body.instructions}, *messages]
+    try:
+        chat_body = ChatCompletionRequest.model_validate(
+            {"model": body.model, "messages": messages, **body.chat_fields()}
+        )
+    except ValueError as error:
+        raise ApiError(
+            400, str(error), type="invalid_request_error", code="invalid_request"
+        ) from None
+    try:
+        job, _ = await submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
+    except ApiError as error:  # named as the chat request spells them: say it the Responses way
+        for chat_name, name in RENAMED_FIELDS:
+            error.body["error"]["message"] = error.body["error"]["message"].replace(chat_name, name)
+        raise
+    record = {
+        "job_id": job.job_id,
+        "created_at": time.time(),
+        "tenant": owner,
+        "model": body.model,
+        "instructions": body.instructions,
+        "metadata": body.metadata,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else None,
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+        "tool_choice": (
+            body.tool_choice.model_dump()
+            if isinstance(body.tool_choice, FunctionChoice)
+            else body.tool_choice
+        ),
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "store": body.store,
+        "background": body.background,
+        "previous_response_id": body.previous_response_id,
+        "messages": history + body.messages(),  # what a later previous_response_id continues
+    }
+    bound = log.bind(job_id=job.job_id, stream=body.stream, background=body.background)
+    if body.store:
+        try:
+            await store.save(job.job_id, record)
+        except Exception:  # the caller gets no id: the job must not run for nobody
+            await cancel_job(job, "the gateway could not store the response")
+            await job.aclose()
+            raise
+    headers = {JOB_ID_HEADER: job.job_id}
+    if body.stream:
+        bound.info("response_streaming")
+        return EventSourceResponse(
+            _live(job, record, starting_after=-1, cancel_on_leave=not body.background),
+            headers=headers,
+            sep="\n",
+        )
+    if body.background:
+        await job.aclose()
+        bound.info("response_background")
+        state = ResponseState(status="queued")
+        return JSONResponse(response_json(record, state), headers=headers)
+    mapper = ResponseEvents(record)
+    try:
+        await until_disconnected(request, _follow(job, mapper))
+    except ClientGone:
+        await cancel_job(job, "the HTTP client disconnected")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    except EdgeqError as error:
+        await cancel_job(job, f"the gateway lost the job's stream: {error}")
+        raise client_error(error) from None
+    error = mapper.state.error
+    if error is not None and not mapper.state.text and error.code != "cancelled":
+        raise job_error(error.code, error.message)  # refused: a status, as the chat path
+    bound.info("response_done", status=mapper.state.status)
+    return JSONResponse(response_json(record, mapper.state), headers=headers)
+
+
+async def _follow(job: ChatJob, mapper: ResponseEvents) -> None:
+    async for event in job.stream():
+        mapper.feed(event)
+
+
+async def _conversation_of(
+    store: ResponseStore, previous_id: str, tenant: str
+) -> list[dict[str, Any]]:
+    request, stored = await load_owned(store, previous_id, tenant, param="previous_response_id")
+    state = await current_state(store, request, stored)
+    if state.status not in TERMINAL_STATUSES:
+        raise ApiError(
+            400,
+            f"previous_response_id: response {previous_id!r} is still {state.status}; "
+            f"continue from it once it has ended",
+            type="invalid_request_error",
+            code="response_in_progress",
+            param="previous_response_id",
+        )
+    answer: dict[str, Any] = {"role": "assistant", "content": state.output_text}
+    if state.done is not None and state.done.tool_calls:
+        answer["tool_calls"] = [call.model_dump(mode="json") for call in state.done.tool_calls]
+    return [*request["messages"], answer]
+
+
+async def _live(
+    job: ChatJob,
+    record: dict[str, Any],
+    *,
+    starting_after: int,
+    cancel_on_leave: bool,
+    stored: list[DeltaEvent | DoneEvent | ErrorEvent] | None = None,
+) -> AsyncIterator[ServerSentEvent]:
+    """The response's stream events after ``starting_after``: the job's events from its first
+    (replayed from Redis), numbered by ResponseEvents, then live until its terminal event."""
+    mapper = ResponseEvents(record)
+    ended = False
+    try:
+        for event in mapper.opening():
+            if event["sequence_number"] > starting_after:
+                yield sse(event)
+        source = _replayed(stored) if stored is not None else job.stream()
+        async for job_event in source:
+            for event in mapper.feed(job_event):
+                if event["sequence_number"] > starting_after:
+                    yield sse(event)
+            if isinstance(job_event, DoneEvent | ErrorEvent):
+                ended = True
+                break
+    except EdgeqError as error:
+        failure = client_error(error)
+        yield sse(
+            {"type": "error", "sequence_number": mapper.sequence + 1, **failure.body["error"]}
+        )
+    finally:
+        if not ended and cancel_on_leave:
+            await cancel_job(job, "the HTTP client disconnected")
+        with anyio.CancelScope(shield=True):
+            await job.aclose()
+
+
+async def _replayed(
+    events: list[DeltaEvent | DoneEvent | ErrorEvent],
+) -> AsyncIterator[DeltaEvent | DoneEvent | ErrorEvent]:
+    for event in events:
+        yield event
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(
+    response_id: str,
+    tenant: TenantDep,
+    client: ClientDep,
+    store: StoreDep,
+    stream: bool = False,
+    starting_after: Annotated[int, Query(ge=-1)] = -1,
+) -> Response:
+    record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
+    job_id = record["job_id"]
+    if not stream:
+        state = await current_state(store, record, stored)
+        return JSONResponse(response_json(record, state), headers={JOB_ID_HEADER: job_id})
+    try:
+        job = await client.attach(job_id)
+    except EdgeqError as error:
+        raise client_error(error) from None
+    return EventSourceResponse(
+        _live(job, record, starting_after=starting_after, cancel_on_leave=False, stored=stored),
+        headers={JOB_ID_HEADER: job_id},
+        sep="\n",
+    )
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(
+    response_id: str, tenant: TenantDep, client: ClientDep, store: StoreDep
+) -> Response:
+    record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
+    if stored is None:
+        try:
+            await client.cancel(
+                record["job_id"], f"cancelled via /v1/responses/{response_id}/cancel"
+            )
+        except EdgeqError as error:
+            raise client_error(error) from None
+    state = await current_state(store, record, stored)
+    return JSONResponse(response_json(record, state))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(
+    response_id: str, tenant: TenantDep, client: ClientDep, store: StoreDep
+) -> Response:
+    record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
+    if stored is None:  # nobody can read it any more: stop generating it
+        try:
+            await client.cancel(record["job_id"], "its response was deleted")
+        except EdgeqError as error:
+            raise client_error(error) from None
+    await store.delete(record["job_id"])
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
