@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.request import urlopen
 
+import psutil
 import pytest
 from openai import NotFoundError, OpenAI
 
@@ -193,3 +198,69 @@ async def test_a_bad_adapter_is_refused_by_name_and_the_worker_keeps_serving(
         assert edgeq(lora_worker, "adapters", "unload", name).returncode == 0
     assert await answer(lora_client, adapter="one")
     assert lora_worker.process.poll() is None
+
+
+def adapter_jobs(worker: WorkerProcess, adapter: str) -> float:
+    """The worker's edgeq:adapter_requests count for ``adapter`` (jobs it started with it)."""
+    page = urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=5).read().decode()
+    found = re.search(rf'^edgeq:adapter_requests_total{{adapter="{adapter}"}} (\S+)$', page, re.M)
+    return float(found[1]) if found else 0.0
+
+
+@contextmanager
+def paused(worker: WorkerProcess) -> Iterator[None]:
+    """The worker process stopped (SIGSTOP) for the block: it claims nothing meanwhile."""
+    assert worker.process is not None
+    process = psutil.Process(worker.process.pid)
+    process.suspend()
+    try:
+        yield
+    finally:
+        process.resume()
+
+
+async def test_two_workers_serve_an_adapter_loaded_at_run_time_and_a_continued_job_keeps_it(
+    tiny_model: Path,
+    tiny_adapters: dict[str, Path],
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    """A worker with LoRA on and no adapter loads one ``edgeq adapters load`` registers while
+    it runs; a worker started later loads it at start-up (LoRA turned on by the registry). Each
+    answers with it, the same text. A chat whose worker is SIGKILLed mid-answer is continued by
+    the other one with the same adapter."""
+    queue = f"{QUEUE}-two"
+    env = engine_env(tiny_model, redis_server.url, queue) | {"EDGEQ_LEASE_TTL_S": "3"}
+    with ready_worker(env | {"EDGEQ_ENABLE_LORA": "true"}, tmp_path / "a.log") as first:
+        loaded = edgeq(first, "adapters", "load", "three", str(tiny_adapters["three"]))
+        assert loaded.returncode == 0, loaded.stderr
+        assert "serving it" in loaded.stdout
+        async with ChatClient(redis_url=redis_server.url, queue=queue) as client:
+            three = await answer(client, adapter="three")
+            assert three != await answer(client)
+            with ready_worker(env, tmp_path / "b.log") as second:
+                listed = json.loads(edgeq(second, "adapters", "list", "--json").stdout)
+                assert [w["adapters"] for w in listed["workers"].values()] == [["three"]] * 2
+                with paused(first):
+                    assert await answer(client, adapter="three") == three
+                assert adapter_jobs(second, "three") == 1
+
+                # A seed whose answer runs its whole max_tokens with this adapter.
+                for seed in range(10, 40):
+                    fields = {"adapter": "three", "seed": seed, "max_tokens": 300}
+                    with paused(second):
+                        result = await client.chat(PROMPT, **fields)  # type: ignore[arg-type]
+                    if result.finish_reason == "length":
+                        break
+                else:
+                    pytest.fail("no seed in 10-39 ran 300 tokens with adapter three")
+                with paused(second):
+                    job = await client.submit(PROMPT, **fields)  # type: ignore[arg-type]
+                    stream = job.stream()
+                    first_event = await anext(stream)
+                    assert first_event.type == "delta"
+                first.stop(signal.SIGKILL)
+                final = [event async for event in stream][-1]
+                assert final.type == "done", final
+                assert final.continued == 1
+                assert adapter_jobs(second, "three") == 2
