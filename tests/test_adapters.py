@@ -264,3 +264,17 @@ async def test_two_workers_serve_an_adapter_loaded_at_run_time_and_a_continued_j
                 assert final.type == "done", final
                 assert final.continued == 1
                 assert adapter_jobs(second, "three") == 2
+
+
+def test_a_worker_with_lora_off_says_why_it_serves_no_adapter(
+    worker: WorkerProcess, tiny_adapters: dict[str, Path]
+) -> None:
+    """The session's worker started with no adapter, so LoRA is off in its engine: ``load``
+    reports it refused the adapter and how to serve it, instead of waiting in silence."""
+    loaded = edgeq(worker, "adapters", "load", "one", str(tiny_adapters["one"]), "--wait", "5")
+    try:
+        assert loaded.returncode == 1
+        assert "refused it: LoRA is off on this worker" in loaded.stdout
+        assert "EDGEQ_ENABLE_LORA=true" in loaded.stdout
+    finally:
+        assert edgeq(worker, "adapters", "unload", "one").returncode == 0

@@ -18,7 +18,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -31,6 +30,7 @@ from edgeq.core.leases import Handover, reap_lost_jobs, renew_leases
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
 from edgeq.core.tasks import cancel_and_wait
+from edgeq.worker.adapters import AdapterHost
 from edgeq.worker.arq_seam import ARQ_ABORT_SET
 from edgeq.worker.engine import ChatEngine
 from edgeq.worker.engine_api import Engine
@@ -41,9 +41,6 @@ from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.state import WorkerState, running_by_tenant
 from edgeq.worker.wire import dump_json, load_job
-
-if TYPE_CHECKING:
-    from edgeq.worker.adapters import AdapterHost
 
 # The loop's timeout is a backstop behind the job's (which publishes a proper `timeout` event).
 JOB_TIMEOUT_MARGIN_S = 10.0
@@ -75,7 +72,7 @@ def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
         running=len(state.running),
         running_by_tenant=running_by_tenant(state),
         adapters=state.adapters.names if state.adapters else [],
-        adapters_refused=dict(state.adapters.refused) if state.adapters else {},
+        adapters_refused=dict(state.adapters.refused if state.adapters else state.adapters_refused),
         max_jobs=settings.arq_max_jobs,
         metrics_port=settings.metrics_port or None,
         started_at=state.started_at,
@@ -156,13 +153,32 @@ async def follow_adapter_registry(state: WorkerState, host: AdapterHost) -> None
             log.warning("adapter_registry_unreadable", error=f"{type(error).__name__}: {error}")
 
 
+#: Why a worker with LoRA off serves no registered adapter (``edgeq adapters load`` shows it).
+LORA_OFF = (
+    "LoRA is off on this worker: it started with no adapter set or registered and "
+    "EDGEQ_ENABLE_LORA unset; restart it (or set EDGEQ_ENABLE_LORA=true)"
+)
+
+
+async def note_unservable_adapters(state: WorkerState) -> None:
+    """Each lease period, on a worker with LoRA off: report every registered adapter as
+    refused, with why, so ``edgeq adapters load`` and ``edgeq status`` say so."""
+    period_s = state.settings.lease_ttl_s / LEASE_RENEWALS_PER_TTL
+    while True:
+        try:
+            names = await adapter_registry(state.redis, state.settings.queue)
+            state.adapters_refused = dict.fromkeys(names, LORA_OFF)
+        except REDIS_ERRORS as error:
+            log.warning("adapter_registry_unreadable", error=f"{type(error).__name__}: {error}")
+        await asyncio.sleep(period_s)
+
+
 async def start_adapters(state: WorkerState, engine: Engine) -> None:
     """Load the adapters this worker serves, and follow the registry, when LoRA is on."""
     llm = getattr(engine, "llm", None)  # vLLM's AsyncLLM; a stand-in engine has none
     if not state.settings.lora or llm is None:
+        state.background.append(asyncio.create_task(note_unservable_adapters(state)))
         return
-    from edgeq.worker.adapters import AdapterHost  # imports vLLM
-
     settings = state.settings
     host = AdapterHost(llm, max_adapters=settings.max_adapters, max_rank=settings.max_adapter_rank)
     await host.sync(await wanted_adapters(state))
@@ -262,7 +278,7 @@ def build_worker(
         events=state.events,
         deserializer=load_job,
         serializer=dump_json,
-        superseded=state.superseded,
+        not_finished_here=state.not_finished_here,
         count_not_started=metrics.job_ended,
     )
     return state, jobs

@@ -29,9 +29,11 @@ class WorkerState:
     started_at: float
     #: The jobs running now (id -> tenant): their leases are renewed, their count reported.
     running: dict[str, str] = field(default_factory=dict)
-    #: Jobs whose stream another run of them took (this worker was thought dead and the job
-    #: was handed over): their keys are that run's to clean up, not this one's.
-    superseded: set[str] = field(default_factory=set)
+    #: Jobs whose records (arq's, and the lease) this run leaves alone: another run of them
+    #: took their stream (this worker was thought dead and the job was handed over), or they
+    #: were given up with Redis away past EDGEQ_REDIS_OUTAGE_S, and their lease's expiry is
+    #: to continue them (docs/guarantees.md).
+    not_finished_here: set[str] = field(default_factory=set)
     #: Set on SIGTERM: jobs cut short by the drain end with ``shutdown``, not ``cancelled``.
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once the engine is built and warm (app.start_engine); cleared on shutdown.
@@ -39,6 +41,8 @@ class WorkerState:
     device: str = ""
     #: The LoRA adapters the engine holds; None when LoRA is off (worker/adapters.py).
     adapters: AdapterHost | None = None
+    #: With LoRA off: the registered adapters this worker cannot serve, with why.
+    adapters_refused: dict[str, str] = field(default_factory=dict)
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
