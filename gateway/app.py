@@ -11,6 +11,8 @@ model. Its parts each have a room of their own, and ``create_app`` only joins th
     probes.py   /health, /ready
     models.py   /v1/models, and the model names a request may ask for
     chat.py     /v1/chat/completions
+    files.py, batches.py  /v1/files, /v1/batches (batch_store.py, batch_runner.py: OpenAI's
+                Batch API on the queue, each line a job of the batch class)
     responses.py /v1/responses (response_events.py, response_store.py, response_follower.py,
                 webhooks.py: background responses, resumable streams, signed webhooks)
 
@@ -25,7 +27,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from edgeq.gateway import chat, models, probes, responses
+from edgeq.gateway import batches, chat, files, models, probes, responses
+from edgeq.gateway.batch_runner import running_batches
 from edgeq.gateway.errors import install_error_handlers
 from edgeq.gateway.models import ModelNames
 from edgeq.gateway.response_follower import follow_responses
@@ -40,7 +43,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     async with ChatClient(settings) as client:
         app.state.client = client
         app.state.models = ModelNames(client, settings)
-        async with follow_responses(app, client):
+        async with follow_responses(app, client), running_batches(settings):
             yield
 
 
@@ -51,6 +54,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # Set now, not in the lifespan: the API key check needs no Redis (state.py).
     app.state.settings = settings
     install_error_handlers(app)
-    for room in (probes, models, chat, responses):
+    for room in (probes, models, chat, responses, files, batches):
         app.include_router(room.router)
     return app

@@ -96,6 +96,49 @@ class GatewaySettings(ConnectionSettings):
     gateway_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long open requests may still finish."
     )
+    # OpenAI's Files and Batches (gateway/batch_store.py, docs/batches.md).
+    gateway_file_max_bytes: int = Field(
+        32_000_000, ge=1024, description="Largest file /v1/files accepts, in bytes (else 413)."
+    )
+    gateway_file_max_lines: int = Field(
+        50_000, ge=1, description="Most lines (requests) in one batch input file."
+    )
+    gateway_files_per_tenant: int = Field(
+        20, ge=1, description="Most uploaded files one tenant may keep at once."
+    )
+    gateway_file_retention_s: float = Field(
+        7 * 86400.0,
+        gt=0,
+        description=(
+            "How long files (uploads, batch output) and finished batches are kept in Redis."
+        ),
+    )
+    gateway_batch_window: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Most lines of one batch queued or running at once (the rest wait in the batch, "
+            "not in the queue)."
+        ),
+    )
+    gateway_batch_completion_window_s: float = Field(
+        86400.0,
+        gt=0,
+        description=(
+            "How long a batch may run before it ends `expired` (the `24h` of its "
+            "completion_window; shorter for tests)."
+        ),
+    )
+    gateway_batch_runner: bool = Field(
+        True, description="Run batches in this gateway process (any gateway may take one)."
+    )
+    gateway_batch_lease_s: float = Field(
+        10.0,
+        gt=0,
+        description=(
+            "A batch whose runner (a gateway) is silent this long is taken over by another."
+        ),
+    )
     log_level: LogLevel = "info"
 
     @field_validator("gateway_api_keys", "gateway_model_aliases", mode="before")

@@ -28,6 +28,20 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
   own ``arq:abort``, one set for every queue).
 - ``{queue}:adapters``: hash, LoRA adapter name -> its path on the workers, the adapters every
   worker on the queue serves (core/adapters.py, ``edgeq adapters``).
+
+OpenAI's Files and Batches (gateway/batch_store.py), per queue:
+
+- ``{queue}:file:<file_id>``: hash, a file's record and content (expires after the retention);
+  ``{queue}:files:<tenant>``: sorted set, the tenant's file ids by creation time;
+- ``{queue}:batch:<batch_id>``: hash, a batch's record; ``{queue}:batches:<tenant>``: sorted
+  set, the tenant's batch ids by creation time; ``{queue}:batches-active``: set, the batches
+  a runner still has to run or finish;
+- ``{queue}:batch-input:<batch_id>``: list, each line's validated request, by line number;
+  ``{queue}:batch-inflight:<batch_id>``: set, the line numbers enqueued and not yet recorded;
+  ``{queue}:batch-out:<batch_id>`` and ``{queue}:batch-err:<batch_id>``: hashes, custom_id ->
+  its output or error line (written once each); ``{queue}:batch-attempts:<batch_id>``: hash,
+  line -> how often it was run again; ``{queue}:batch-lease:<batch_id>``: the runner holding
+  the batch, with a short TTL.
 """
 
 from __future__ import annotations
@@ -158,3 +172,34 @@ def cluster_abort_set_key(queue: str) -> str:
     queue and lives in a slot of its own, which arq's transactions cannot reach from the
     queue's (worker/claim.py)."""
     return f"{queue}:abort"
+
+
+def file_key(queue: str, file_id: str) -> str:
+    """A stored file's hash: its record fields and its ``content``."""
+    return f"{queue}:file:{file_id}"
+
+
+def files_key(queue: str, tenant: str) -> str:
+    """A sorted set per tenant: file id -> created (Unix s)."""
+    return f"{queue}:files:{tenant}"
+
+
+def batch_key(queue: str, batch_id: str) -> str:
+    """A batch's record (hash)."""
+    return f"{queue}:batch:{batch_id}"
+
+
+def batches_key(queue: str, tenant: str) -> str:
+    """A sorted set per tenant: batch id -> created (Unix ms)."""
+    return f"{queue}:batches:{tenant}"
+
+
+def active_batches_key(queue: str) -> str:
+    """A set per queue: the batches not finished yet, which some runner must take."""
+    return f"{queue}:batches-active"
+
+
+def batch_part_key(queue: str, part: str, batch_id: str) -> str:
+    """One of a batch's working keys: ``input``, ``inflight``, ``out``, ``err``, ``attempts``
+    or ``lease``."""
+    return f"{queue}:batch-{part}:{batch_id}"

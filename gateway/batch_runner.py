@@ -1,0 +1,404 @@
+"""Running batches: each line becomes an ordinary chat job of the ``batch`` class, under the
+batch's tenant, fed to the queue a window at a time.
+
+Every gateway process runs a ``BatchRunner`` (EDGEQ_GATEWAY_BATCH_RUNNER) and ``edgeq batch
+submit --wait`` runs one for its own batch. A runner takes a batch by a short lease
+(EDGEQ_GATEWAY_BATCH_LEASE_S) that it renews while it runs it; a runner that was killed stops
+renewing, and another one, or the same gateway restarted, takes the batch over.
+
+Restart-safe and exactly-once in the output:
+
+- a line is marked in flight (``batch-inflight``) before its job is enqueued, and its job id is
+  derived from the batch id, the line number and the attempt, so a runner taking over attaches
+  to the job a line already has (its result kept in the job's replay buffer) instead of
+  enqueueing a second one;
+- a line's outcome is written once, keyed by its custom_id (HSETNX), before it leaves the
+  in-flight set, and the counts are the sizes of those hashes: a line recorded twice is
+  recorded once.
+
+Backpressure: at most EDGEQ_GATEWAY_BATCH_WINDOW lines of a batch are queued or running at
+once, so a 50,000-line batch never fills EDGEQ_MAX_QUEUE; its lines wait in Redis as a list.
+A full queue (EDGEQ_MAX_QUEUE, the tenant's cap) is waited out, never a line's failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import structlog
+
+from edgeq.core.cluster import hash_tag
+from edgeq.core.errors import EdgeqError, JobFailed, JobTimeout, RedisUnavailable
+from edgeq.core.events import finished_with
+from edgeq.core.keys import active_batches_key, batch_key
+from edgeq.core.protocol import ChatResult, ErrorCode
+from edgeq.core.scripts import lua_script
+from edgeq.gateway.batch_store import (
+    FINAL_STATUSES,
+    OUTPUT_PURPOSE,
+    BatchLine,
+    BatchStore,
+    line_request_id,
+)
+from edgeq.gateway.openai_api import completion_json, error_json
+from edgeq.gateway.settings import GatewaySettings
+from edgeq.producer.client import ChatClient
+from edgeq.producer.queue import Enqueued
+
+log = structlog.get_logger("edgeq.batch")
+
+#: How often a runner looks for batches to take, and a batch's runner for a cancel or expiry.
+POLL_S = 0.5
+#: A full queue is tried again after this long.
+QUEUE_FULL_RETRY_S = 0.5
+#: A line whose job ended with one of these (its worker died and it could not be continued)
+#: is run again, with a new job, up to this many times.
+RETRIED_CODES = (ErrorCode.WORKER_LOST, ErrorCode.SHUTDOWN)
+MAX_ATTEMPTS = 3
+#: The HTTP status an output line reports for a job's error code.
+LINE_STATUS = {"invalid_request": 400, "prompt_too_long": 400, "cancelled": 499}
+
+_LEASE = lua_script("batch_lease")
+
+
+def line_job_id(queue: str, batch_id: str, line: int, attempt: int) -> str:
+    """The job a line's attempt runs as: the same for every runner, so a runner taking a
+    batch over finds the job instead of enqueueing another (see core/keys.new_job_id)."""
+    digest = hashlib.sha256(f"{batch_id}:{line}:{attempt}".encode()).hexdigest()[:32]
+    tag = hash_tag(queue)
+    return f"{{{tag}}}{digest}" if tag is not None else digest
+
+
+class LeaseLost(Exception):
+    """Another runner holds the batch now (this one was too slow to renew)."""
+
+
+class BatchRun:
+    """One batch, run by the runner holding its lease, until it ends."""
+
+    def __init__(self, runner: BatchRunner, batch_id: str) -> None:
+        self.runner = runner
+        self.store = runner.store
+        self.client = runner.client
+        self.batch_id = batch_id
+        self.log = log.bind(batch_id=batch_id)
+        # Why the batch stops early ("cancelled", "expired"): the error code of its unfinished
+        # lines, and a line's task enqueues nothing more once it is set.
+        self.stopping: str | None = None
+
+    async def run(self) -> None:
+        fields = await self.store.raw_batch(self.batch_id)
+        if fields is None or fields["status"] in FINAL_STATUSES:
+            await self.store.redis.srem(active_batches_key(self.store.queue), self.batch_id)
+            return
+        doc = json.loads(fields["doc"])
+        self.tenant, self.total, self.expires_at = fields["tenant"], doc["total"], doc["expires_at"]
+        self.log = self.log.bind(tenant=self.tenant)
+        store, window = self.store, self.runner.settings.gateway_batch_window
+        inflight_key = store.part("inflight", self.batch_id)
+        next_line = int(fields.get("next_line", 0))
+        tasks: dict[int, asyncio.Task[None]] = {}
+        for raw in await store.redis.smembers(inflight_key):  # a runner before us left these
+            tasks[int(raw)] = asyncio.create_task(self.run_line(int(raw)))
+        self.log.info("batch_running", lines=self.total, next_line=next_line, resumed=len(tasks))
+        try:
+            while True:
+                status = (await store.raw_batch(self.batch_id) or {}).get("status")
+                if status == "cancelling":
+                    return await self.stop(tasks, "cancelled")
+                if status != "in_progress":
+                    return  # finished elsewhere, or expired out of Redis
+                if time.time() >= self.expires_at:
+                    return await self.stop(tasks, "expired")
+                while len(tasks) < window and next_line < self.total:
+                    # In flight before enqueued: a runner taking over finds every line whose
+                    # job may exist (and attaches to it: its id is fixed).
+                    async with store.redis.pipeline(transaction=True) as pipe:
+                        pipe.sadd(inflight_key, next_line)
+                        pipe.hset(batch_key(store.queue, self.batch_id), "next_line", next_line + 1)
+                        await pipe.execute()
+                    tasks[next_line] = asyncio.create_task(self.run_line(next_line))
+                    next_line += 1
+                if not tasks and next_line >= self.total:
+                    return await self.finish("completed")
+                done, _ = await asyncio.wait(
+                    tasks.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                for line, task in list(tasks.items()):
+                    if task in done:
+                        del tasks[line]
+                        if task.exception() is not None:  # Redis away: the line runs again
+                            self.log.warning(
+                                "batch_line_retry", line=line, error=str(task.exception())
+                            )
+                            await asyncio.sleep(QUEUE_FULL_RETRY_S)
+                            tasks[line] = asyncio.create_task(self.run_line(line))
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    async def run_line(self, line: int) -> None:
+        """Run one line to its outcome and record it (once), then take it out of flight."""
+        store, redis = self.store, self.store.redis
+        item = BatchLine.model_validate_json(
+            await redis.lindex(store.part("input", self.batch_id), line)
+        )
+        out_key, err_key = store.part("out", self.batch_id), store.part("err", self.batch_id)
+        if not (
+            await redis.hexists(out_key, item.custom_id)
+            or await redis.hexists(err_key, item.custom_id)
+        ):
+            attempt = int(await redis.hget(store.part("attempts", self.batch_id), line) or 0)
+            while True:
+                job_id = line_job_id(store.queue, self.batch_id, line, attempt)
+                outcome = await self.job_outcome(job_id, item)
+                if (
+                    isinstance(outcome, JobFailed)
+                    and outcome.code in RETRIED_CODES
+                    and attempt + 1 < MAX_ATTEMPTS
+                    and self.stopping is None
+                ):
+                    attempt = await redis.hincrby(store.part("attempts", self.batch_id), line)
+                    self.log.info("batch_line_again", line=line, code=outcome.code)
+                    continue
+                break
+            await self.record(line, item, job_id, outcome)
+        await redis.srem(store.part("inflight", self.batch_id), line)
+
+    async def job_outcome(self, job_id: str, item: BatchLine) -> ChatResult | JobFailed:
+        """Enqueue the line's job unless it exists (or ended), then wait for its end."""
+        client, settings = self.client, self.runner.settings
+        if await finished_with(client.redis, job_id) is None:
+            while True:
+                if self.stopping is not None:
+                    return JobFailed(
+                        job_id,
+                        f"batch_{self.stopping}",
+                        f"the batch was {self.stopping} before this line ran",
+                    )
+                outcome, _ = await client.queue.enqueue(
+                    job_id,
+                    item.request,
+                    # A line not started when the batch's window ends never starts.
+                    deadline_s=max(1.0, self.expires_at - time.time()),
+                    max_depth=settings.max_queue,
+                    tenant=self.tenant,
+                    priority="batch",
+                )
+                # DUPLICATE_ID: a runner before us enqueued it; attach to it below.
+                if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
+                    break
+                await asyncio.sleep(QUEUE_FULL_RETRY_S)  # the queue or the tenant is full
+        while True:
+            job = await client.attach(job_id)
+            try:
+                return await job.result()
+            except JobFailed as error:
+                return error
+            except JobTimeout:
+                continue  # queued behind other work: no event yet, keep waiting
+
+    async def record(
+        self, line: int, item: BatchLine, job_id: str, outcome: ChatResult | JobFailed
+    ) -> None:
+        store = self.store
+        request_id = line_request_id(self.batch_id, line)
+        if isinstance(outcome, ChatResult):
+            body = completion_json(outcome, model=item.model, created=int(time.time()))
+            entry = {
+                "id": request_id,
+                "custom_id": item.custom_id,
+                "response": {"status_code": 200, "request_id": job_id, "body": body},
+                "error": None,
+            }
+            key = store.part("out", self.batch_id)
+        else:
+            code = outcome.code
+            if code == "cancelled" and self.stopping is not None:
+                code = f"batch_{self.stopping}"  # stopped by the batch's cancel or expiry
+            entry = {
+                "id": request_id,
+                "custom_id": item.custom_id,
+                "response": None,
+                "error": {"code": code, "message": outcome.message},
+            }
+            if not code.startswith("batch_"):  # the job ran and failed: its answer's status
+                status = LINE_STATUS.get(code, 500)
+                entry["response"] = {
+                    "status_code": status,
+                    "request_id": job_id,
+                    "body": error_json(
+                        outcome.message,
+                        code=code,
+                        type="invalid_request_error" if status < 500 else "server_error",
+                    ),
+                }
+            key = store.part("err", self.batch_id)
+        # Written once per custom_id: a line run again by a runner taking over is not doubled.
+        await store.redis.hsetnx(key, item.custom_id, f"{line} {json.dumps(entry)}")
+
+    async def stop(self, tasks: dict[int, asyncio.Task[None]], why: str) -> None:
+        """Cancel or expiry: no line starts any more, running ones are stopped (each records
+        what its job ended with), the rest are recorded as ``batch_<why>``; then finish."""
+        self.stopping = why
+        self.log.info("batch_stopping", why=why, in_flight=len(tasks))
+        reason = f"the batch was {why}"
+        for line in tasks:
+            attempt = int(
+                await self.store.redis.hget(self.store.part("attempts", self.batch_id), line) or 0
+            )
+            await self.client.cancel(
+                line_job_id(self.store.queue, self.batch_id, line, attempt), reason
+            )
+        await asyncio.wait(tasks.values(), timeout=30)
+        await self.finish(why)
+
+    async def finish(self, status: str) -> None:
+        """Write the output and error files (partial ones for a cancel or expiry) and end the
+        batch. Safe to run again after a crash: the files' ids are the batch's."""
+        store, redis, batch_id = self.store, self.store.redis, self.batch_id
+        since = ("cancelling",) if status == "cancelled" else ("in_progress",)
+        if status == "completed":
+            await store.set_status(batch_id, "finalizing", since=("in_progress",))
+            since = ("finalizing",)
+        out_key, err_key = store.part("out", batch_id), store.part("err", batch_id)
+        recorded = set(await redis.hkeys(out_key)) | set(await redis.hkeys(err_key))
+        input_key = store.part("input", batch_id)
+        for line in range(self.total):  # lines that never ran: in the error file, once each
+            item = BatchLine.model_validate_json(await redis.lindex(input_key, line))
+            if item.custom_id.encode() not in recorded:
+                entry = {
+                    "id": line_request_id(batch_id, line),
+                    "custom_id": item.custom_id,
+                    "response": None,
+                    "error": {
+                        "code": f"batch_{status}",
+                        "message": f"the batch was {status} before this line ran",
+                    },
+                }
+                await redis.hsetnx(err_key, item.custom_id, f"{line} {json.dumps(entry)}")
+        record_fields: dict[str, str] = {}
+        for part, suffix in ((out_key, "output"), (err_key, "error")):
+            entries = sorted(
+                (int(line), text)
+                for line, _, text in (
+                    raw.decode().partition(" ") for raw in (await redis.hvals(part))
+                )
+            )
+            if not entries:
+                continue
+            content = "".join(f"{text}\n" for _, text in entries).encode()
+            file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
+            await store.create_file(
+                self.tenant, f"{batch_id}_{suffix}.jsonl", OUTPUT_PURPOSE, content, file_id=file_id
+            )
+            record_fields[f"{suffix}_file_id"] = file_id
+        if record_fields:
+            await redis.hset(batch_key(store.queue, batch_id), mapping=record_fields)
+        await store.set_status(batch_id, status, since=since)  # type: ignore[arg-type]
+        retention_ms = int(self.runner.settings.gateway_file_retention_s * 1000)
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.srem(active_batches_key(store.queue), batch_id)
+            pipe.delete(
+                input_key, store.part("inflight", batch_id), store.part("attempts", batch_id)
+            )
+            for key in (batch_key(store.queue, batch_id), out_key, err_key):
+                pipe.pexpire(key, retention_ms)
+            await pipe.execute()
+        self.log.info("batch_finished", status=status)
+
+
+class BatchRunner:
+    """Takes unfinished batches by lease and runs them (see the module doc)."""
+
+    def __init__(self, client: ChatClient, settings: GatewaySettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.store = BatchStore(client.redis, settings)
+        self.token = uuid.uuid4().hex
+        self._lease = client.redis.register_script(_LEASE)
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    async def hold(self, batch_id: str) -> bool:
+        """Take or renew the batch's lease: False if another runner holds it."""
+        ttl_ms = int(self.settings.gateway_batch_lease_s * 1000)
+        key = self.store.part("lease", batch_id)
+        return bool(await self._lease(keys=[key], args=[self.token, ttl_ms]))
+
+    async def run_batch(self, batch_id: str) -> None:
+        """Run one batch while holding its lease; LeaseLost if another runner took it."""
+        run = asyncio.create_task(BatchRun(self, batch_id).run())
+        renew_s = self.settings.gateway_batch_lease_s / 3
+        try:
+            while not run.done():
+                await asyncio.wait([run], timeout=renew_s)
+                if not run.done() and not await self.hold(batch_id):
+                    raise LeaseLost(batch_id)
+            run.result()
+        finally:
+            if not run.done():
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+            with contextlib.suppress(EdgeqError, OSError):
+                await self.client.redis.delete(self.store.part("lease", batch_id))
+
+    async def poll_once(self, only: str | None = None) -> None:
+        """Take every unfinished batch nobody runs (or only ``only``)."""
+        for raw in await self.client.redis.smembers(active_batches_key(self.store.queue)):
+            batch_id = raw.decode()
+            if only not in (None, batch_id) or batch_id in self._running:
+                continue
+            if await self.hold(batch_id):
+                task = asyncio.create_task(self._guarded(batch_id))
+                self._running[batch_id] = task
+
+    async def _guarded(self, batch_id: str) -> None:
+        try:
+            await self.run_batch(batch_id)
+        except LeaseLost:
+            log.warning("batch_lease_lost", batch_id=batch_id)
+        except (RedisUnavailable, EdgeqError, OSError) as error:
+            log.warning("batch_runner_error", batch_id=batch_id, error=str(error))
+        except Exception:
+            log.exception("batch_runner_failed", batch_id=batch_id)
+        finally:
+            self._running.pop(batch_id, None)
+
+    async def run_forever(self, only: str | None = None) -> None:
+        try:
+            while True:
+                try:
+                    await self.poll_once(only)
+                except (RedisUnavailable, EdgeqError, OSError) as error:
+                    log.warning("batch_runner_poll_failed", error=str(error))
+                await asyncio.sleep(POLL_S)
+        finally:
+            tasks = list(self._running.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def running_batches(settings: GatewaySettings) -> AsyncIterator[BatchRunner | None]:
+    """A BatchRunner in the background for as long as the block runs (the gateway's life),
+    on a ChatClient of its own, so its lines never wait for the interactive requests' Redis
+    connections; None when EDGEQ_GATEWAY_BATCH_RUNNER is off."""
+    if not settings.gateway_batch_runner:
+        yield None
+        return
+    async with ChatClient(settings) as client:
+        runner = BatchRunner(client, settings)
+        task = asyncio.create_task(runner.run_forever())
+        try:
+            yield runner
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

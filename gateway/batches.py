@@ -1,0 +1,67 @@
+"""``/v1/batches``: OpenAI's Batches resource. A batch is validated when it is created (a bad
+line fails it, naming the line, and nothing runs) and then run by whichever gateway's
+BatchRunner takes it (batch_runner.py); a tenant sees only its own batches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from edgeq.gateway.auth import TenantDep
+from edgeq.gateway.batch_store import COMPLETION_WINDOW, ENDPOINT
+from edgeq.gateway.files import _list, batch_api_errors, batch_store
+from edgeq.gateway.models import ModelNamesDep
+
+router = APIRouter()
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="allow")  # output_expires_after and what SDKs add
+
+    input_file_id: str
+    endpoint: str = ENDPOINT
+    completion_window: str = COMPLETION_WINDOW
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+@router.post("/v1/batches")
+async def create_batch(
+    request: Request, body: CreateBatch, tenant: TenantDep, models: ModelNamesDep
+) -> dict[str, Any]:
+    with batch_api_errors():
+        batch = await (await batch_store(request)).create_batch(
+            tenant,
+            body.input_file_id,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+            models=await models.names(),
+        )
+    return batch.model_dump(mode="json")
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    request: Request, tenant: TenantDep, after: str | None = None, limit: int = 20
+) -> dict[str, Any]:
+    with batch_api_errors():
+        batches, more = await (await batch_store(request)).list_batches(
+            tenant, after=after, limit=max(1, min(limit, 100))
+        )
+    return _list([batch.model_dump(mode="json") for batch in batches], more)
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(request: Request, tenant: TenantDep, batch_id: str) -> dict[str, Any]:
+    with batch_api_errors():
+        batch = await (await batch_store(request)).get_batch(tenant, batch_id)
+    return batch.model_dump(mode="json")
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, tenant: TenantDep, batch_id: str) -> dict[str, Any]:
+    with batch_api_errors():
+        batch = await (await batch_store(request)).cancel_batch(tenant, batch_id)
+    return batch.model_dump(mode="json")

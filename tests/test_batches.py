@@ -1,0 +1,139 @@
+"""OpenAI's Batch API end to end: the official SDK uploads a file and creates a batch on a real
+gateway, the session's worker runs its lines on the real engine, and the output file has every
+custom_id exactly once, even when the gateway running the batch is killed mid-batch.
+(Refusals, tenants, cancel and expiry without an engine: tests/test_batch_files.py.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+
+from edgeq.testing.processes import GatewayProcess, WorkerProcess, stop_process
+
+pytestmark = pytest.mark.engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+def line(custom_id: str, model: str, max_tokens: int = 16, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Say something about {custom_id}."}],
+            "max_tokens": max_tokens,
+            **body,
+        },
+    }
+
+
+def gateway_env(worker: WorkerProcess, **settings: str) -> dict[str, str]:
+    names = ("EDGEQ_REDIS_URL", "EDGEQ_QUEUE", "EDGEQ_MODEL")
+    return {**{name: worker.env[name] for name in names}, **settings}
+
+
+@pytest.fixture
+def gateway(worker: WorkerProcess, tmp_path: Path) -> Iterator[str]:
+    # Not shared with the other tests: a gateway left running would take over their batches.
+    process = GatewayProcess(gateway_env(worker), tmp_path / "gateway.log").start()
+    yield process.base_url
+    process.stop()
+
+
+def create_batch(sdk: openai.OpenAI, lines: list[dict[str, Any]]) -> str:
+    content = b"".join(json.dumps(item).encode() + b"\n" for item in lines)
+    file = sdk.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status == "in_progress", batch.errors
+    return batch.id
+
+
+def wait_until(sdk: openai.OpenAI, batch_id: str, done: Any, timeout_s: float = 180) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = sdk.batches.retrieve(batch_id)
+        if done(batch):
+            return batch
+        assert batch.status in ("in_progress", "finalizing"), batch
+        assert time.monotonic() < deadline, f"batch {batch_id} still {batch.request_counts}"
+        time.sleep(0.25)
+
+
+def output_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    return [json.loads(text) for text in sdk.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_through_the_official_sdk(gateway: str, worker: WorkerProcess) -> None:
+    model = worker.env["EDGEQ_MODEL"]
+    sdk = openai.OpenAI(base_url=gateway, api_key="unused", max_retries=0)
+    lines = [line(f"req-{n}", model) for n in range(6)]
+    lines.append(line("schema", model, max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA},
+    }))  # fmt: skip
+    batch_id = create_batch(sdk, lines)
+    batch = wait_until(sdk, batch_id, lambda batch: batch.status == "completed", 120)
+    assert batch.request_counts is not None
+    assert (batch.request_counts.total, batch.request_counts.completed) == (7, 7)
+    assert batch.request_counts.failed == 0 and batch.error_file_id is None
+    assert batch.completed_at is not None and batch.finalizing_at is not None
+    output = output_of(sdk, batch.output_file_id)
+    assert sorted(item["custom_id"] for item in output) == sorted(i["custom_id"] for i in lines)
+    for item in output:
+        assert item["error"] is None and item["response"]["status_code"] == 200
+        completion = ChatCompletion.model_validate(item["response"]["body"])
+        assert completion.choices[0].message.role == "assistant"
+        assert completion.usage is not None and completion.usage.completion_tokens > 0
+    (answer,) = [item for item in output if item["custom_id"] == "schema"]
+    parsed = json.loads(answer["response"]["body"]["choices"][0]["message"]["content"])
+    assert set(parsed) == {"city"} and isinstance(parsed["city"], str)
+
+
+def test_a_killed_gateways_batch_is_finished_by_another(
+    worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """SIGKILL the gateway running a batch: a gateway started after it takes the batch over
+    when the lease runs out, attaches to the lines already queued or running, and the output
+    has every custom_id exactly once."""
+    env = gateway_env(worker, EDGEQ_GATEWAY_BATCH_WINDOW="2", EDGEQ_GATEWAY_BATCH_LEASE_S="2")
+    first = GatewayProcess(env, tmp_path / "first.log").start()
+    try:
+        sdk = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0)
+        model = worker.env["EDGEQ_MODEL"]
+        lines = [line(f"k-{n}", model, max_tokens=48) for n in range(24)]
+        batch_id = create_batch(sdk, lines)
+        started = wait_until(sdk, batch_id, lambda b: b.request_counts.completed >= 3, 120)
+        assert started.request_counts.completed < len(lines)
+        assert first.process is not None
+        stop_process(first.process, signal.SIGKILL)
+    finally:
+        first.stop()
+    second = GatewayProcess(env, tmp_path / "second.log").start()
+    try:
+        sdk = openai.OpenAI(base_url=second.base_url, api_key="unused", max_retries=0)
+        batch = wait_until(sdk, batch_id, lambda batch: batch.status == "completed", 180)
+        output = output_of(sdk, batch.output_file_id)
+        ids = [item["custom_id"] for item in output]
+        assert sorted(ids) == sorted(item["custom_id"] for item in lines)  # each exactly once
+        assert batch.request_counts.completed == len(lines) and batch.error_file_id is None
+        assert "batch_running" in second.log_path.read_text()
+    finally:
+        second.stop()
