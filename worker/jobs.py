@@ -164,7 +164,7 @@ async def _end_with(
         # engine request.
         taken = isinstance(error, StreamTaken)
         if taken:
-            state.superseded.add(publisher.job_id)
+            state.not_finished_here.add(publisher.job_id)  # the records are the other run's
         log.info(
             "job_stopped",
             reason="another run of the job took its stream"
@@ -173,6 +173,10 @@ async def _end_with(
             engine_unfinished_requests=state.ready_engine.unfinished_requests(),
         )
     elif isinstance(error, RedisAway):
+        # No terminal event could go out: the records and the lease stay, and the lease's
+        # expiry, once Redis is back, continues the job or ends it worker_lost. Finished
+        # here, the job was gone with no end for its client to see (#34, the CI campaign).
+        state.not_finished_here.add(publisher.job_id)
         log.warning("job_abandoned", reason=ending.message)
     elif not isinstance(error, _ENDINGS_LOGGED_ELSEWHERE):
         log.exception("job_error")

@@ -20,9 +20,10 @@
   event here (worker/outcomes.py, ``NotStarted``).
 - **Finish.** The job function publishes the stream's terminal event itself; the loop then
   writes arq's result and removes the job's records and its lease in one step
-  (worker/arq_seam.py), unless another run of the job took its stream over (``superseded``):
-  those records are that run's. Records Redis could not take keep their lease, whose expiry
-  finishes them.
+  (worker/arq_seam.py), unless they are not this run's (``not_finished_here``): another run
+  of the job took its stream over, or the job was given up with Redis away, and its lease's
+  expiry continues it. Records Redis could not take keep their lease, whose expiry finishes
+  them.
 - **Drain.** A signal stops the claims; running jobs get the drain time to finish, then their
   tasks are cancelled (the job function ends them with ``shutdown``).
 """
@@ -124,8 +125,8 @@ class JobLoop:
     events: EventLog
     deserializer: Deserializer
     serializer: Serializer
-    #: Jobs whose stream another run of them took: their records are not finished here.
-    superseded: set[str] = field(default_factory=set)
+    #: Jobs whose records this run leaves alone (the job function says which: WorkerState).
+    not_finished_here: set[str] = field(default_factory=set)
     #: Called with the error code of each job failed before it started (metrics).
     count_not_started: Callable[[str], None] = lambda code: None
     #: Running jobs: id -> the task running it.
@@ -251,8 +252,8 @@ class JobLoop:
                 log.error("job_raised", job_id=job.job_id, error=type(error).__name__)
             self._aborting.discard(job.job_id)
             result, success = error, False
-        if job.job_id in self.superseded:
-            self.superseded.discard(job.job_id)
+        if job.job_id in self.not_finished_here:
+            self.not_finished_here.discard(job.job_id)
             return
         await asyncio.shield(self._finish(job, record, started.job_try, success, result,
                                           started_ms))  # fmt: skip

@@ -484,6 +484,62 @@ async def test_a_redis_restart_mid_stream_ends_every_chat_with_done_and_no_gap(
         await client.aclose()
 
 
+async def test_chats_given_up_in_an_outage_past_the_limit_are_continued_when_redis_is_back(
+    tiny_model: Path, auth_redis: RedisServer, tmp_path: Path
+) -> None:
+    """docs/guarantees.md: chats still generating after EDGEQ_REDIS_OUTAGE_S of outage are
+    given up by the worker; when Redis is back their leases run out and they are continued (or
+    end worker_lost). Found by the CI campaign (#34): the worker finished a given-up job's
+    records and lease once Redis was back, so nothing was left to continue it, and its client
+    waited for an end that never came."""
+    lease_ttl_s = BUSY_LEASE_TTL_S
+    worker = start_workers(
+        tiny_model, acl_url(auth_redis), tmp_path, "outage",
+        EDGEQ_LEASE_TTL_S=str(lease_ttl_s), EDGEQ_REDIS_OUTAGE_S="1",
+    )[0]  # fmt: skip
+    client = ChatClient(redis_url=acl_url(auth_redis), queue="edgeq:chaos", lease_ttl_s=lease_ttl_s)
+    try:
+        jobs = [
+            await client.submit(f"outage {i}", max_tokens=3 * LONG // 2, seed=FULL_LENGTH_SEED)
+            for i in range(3)
+        ]
+        streams = [job.stream() for job in jobs]
+        seen = [[first] for first in await asyncio.gather(*(anext(stream) for stream in streams))]
+        auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
+        await asyncio.sleep(3.0)  # past the 1 s outage limit: the generating chats are given up
+        auth_redis.start()
+
+        async def rest(stream, events: list[StreamEvent]) -> None:
+            async for event in stream:
+                events.append(event)
+
+        await asyncio.wait_for(
+            asyncio.gather(*(rest(stream, events) for stream, events in zip(streams, seen,
+                                                                         strict=True))),
+            timeout=120,
+        )  # fmt: skip
+        given_up = worker.log_path.read_text().count('"job_abandoned"')
+        assert given_up > 0, "no chat was still generating when the outage limit came"
+        continued = 0
+        for events in seen:
+            assert [event.seq for event in events] == list(range(len(events)))  # no gap, no repeat
+            *deltas, last = events
+            assert all(isinstance(event, DeltaEvent) for event in deltas)
+            assert isinstance(last, DoneEvent) or last.code == "worker_lost", last
+            continued += isinstance(last, DoneEvent) and bool(last.continued)
+        assert continued > 0  # a given-up chat went on from where its stream stopped
+        await asyncio.sleep(0.5)  # the last run's records are finished just after its done
+        leases = await client.redis.zrange(leases_key("edgeq:chaos"), 0, -1)
+        assert not {job.job_id.encode() for job in jobs} & set(leases)
+        assert not await client.redis.exists(*(in_progress_key(job.job_id) for job in jobs))
+        FIGURES["Redis outage past the limit: chats given up / continued to done"] = (
+            f"{given_up} / {continued}"
+        )
+    finally:
+        worker.stop()
+        await client.aclose()
+
+
 # --- against the shared worker ----------------------------------------------------------------
 
 
