@@ -89,6 +89,8 @@ QUIET_DRAIN_S = 60.0
 REDIS_PATIENCE_S = 90.0
 #: arq's result is written just after the done event: how long to look for it.
 RESULT_WAIT_S = 5.0
+#: The gateway's answers that are a refusal at the door (queue full, Redis away), not a fault.
+REFUSALS_AT_THE_DOOR = (429, 503)
 #: A refused submit backs off this long, so an outage is no busy loop.
 REFUSED_BACKOFF_S = 0.5
 #: Engine processes must be gone this long after their workers stopped.
@@ -508,7 +510,11 @@ class Cluster:
     # --- the gateway --------------------------------------------------------------------------
 
     async def start_gateway(self) -> None:
-        env = {"EDGEQ_REDIS_URL": self.redis_url, "EDGEQ_QUEUE": QUEUE}
+        # EDGEQ_MODEL as the workers have it, as one env file on a box gives both: without
+        # it the gateway knew the model only from live workers' heartbeats, and answered 404
+        # to chats sent while every worker was restarting or Redis had just come back.
+        env = {"EDGEQ_REDIS_URL": self.redis_url, "EDGEQ_QUEUE": QUEUE,
+               "EDGEQ_MODEL": str(self.model)}  # fmt: skip
         self.gateway_starts += 1
         log = self.workdir / "logs" / f"gateway.{self.gateway_starts}.log"
         process = GatewayProcess(env, log)
@@ -790,7 +796,12 @@ class Campaign:
             ):
                 job_id = response.headers.get("X-Edgeq-Job-Id")
                 if response.status_code != 200 or job_id is None:
-                    await response.aread()
+                    body_text = (await response.aread()).decode(errors="replace")
+                    if response.status_code not in REFUSALS_AT_THE_DOOR:
+                        self.general_problems.append(
+                            f"the gateway answered {response.status_code} at "
+                            f"{submitted:.1f} s: {body_text[:300]}"
+                        )
                     self.refused[f"gateway_{response.status_code}"] += 1
                     await asyncio.sleep(REFUSED_BACKOFF_S)
                     return
