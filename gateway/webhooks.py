@@ -23,6 +23,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import time
 from typing import Any
 
@@ -120,6 +121,8 @@ class WebhookSender:
         self.in_flight: set[str] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.http = httpx.AsyncClient(timeout=settings.gateway_webhook_timeout_s)
+        # httpx logs each request with its URL at INFO; the sender logs its own events.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
     async def run(self) -> None:
         try:

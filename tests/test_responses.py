@@ -23,7 +23,7 @@ import pytest
 from redis import Redis as SyncRedis
 
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
-from helpers import FULL_LENGTH_SEEDS
+from helpers import FULL_LENGTH_SEEDS, slowed
 
 pytestmark = pytest.mark.engine
 
@@ -221,20 +221,24 @@ def assert_resumed(first: list[Any], rest: list[Any], final: Any) -> None:
 def test_a_dropped_stream_resumes_where_it_stopped(
     sdk: openai.OpenAI, worker: WorkerProcess
 ) -> None:
-    stream = sdk.responses.create(
-        model=model(worker),
-        input="Tell a long story.",
-        max_output_tokens=LONG,
-        background=True,
-        stream=True,
-        extra_body={"seed": FULL_LENGTH_SEEDS[0]},
-    )
-    first = read_events(stream, 8)
-    stream.close()  # the client drops; a background response runs on
-    response_id = first[0].response.id
-    rest = read_events(
-        sdk.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number)
-    )
+    with slowed(worker):  # so that the stream is resumed while the answer still runs
+        stream = sdk.responses.create(
+            model=model(worker),
+            input="Tell a long story.",
+            max_output_tokens=LONG,
+            background=True,
+            stream=True,
+            extra_body={"seed": FULL_LENGTH_SEEDS[0]},
+        )
+        first = read_events(stream, 8)
+        stream.close()  # the client drops; a background response runs on
+        response_id = first[0].response.id
+        assert sdk.responses.retrieve(response_id).status == "in_progress"
+        rest = read_events(
+            sdk.responses.retrieve(
+                response_id, stream=True, starting_after=first[-1].sequence_number
+            )
+        )
     final = until_ended(sdk, response_id)
     assert final.status == "incomplete" and final.usage.output_tokens == LONG
     assert_resumed(first, rest, final)
@@ -250,24 +254,26 @@ def test_a_stream_resumes_after_its_gateway_was_killed(
     tmp_path: Path,
 ) -> None:
     doomed = GatewayProcess(gateway_env(worker, receiver), tmp_path / "doomed.log").start()
-    try:
-        other = openai.OpenAI(base_url=doomed.base_url, api_key="unused", max_retries=0)
-        stream = other.responses.create(
-            model=model(worker),
-            input="Tell another long story.",
-            max_output_tokens=LONG,
-            background=True,
-            stream=True,
-            extra_body={"seed": FULL_LENGTH_SEEDS[1]},
+    with slowed(worker):  # so that the stream is resumed while the answer still runs
+        try:
+            other = openai.OpenAI(base_url=doomed.base_url, api_key="unused", max_retries=0)
+            stream = other.responses.create(
+                model=model(worker),
+                input="Tell another long story.",
+                max_output_tokens=LONG,
+                background=True,
+                stream=True,
+                extra_body={"seed": FULL_LENGTH_SEEDS[1]},
+            )
+            first = read_events(stream, 6)
+        finally:
+            kill_group(doomed, signal.SIGKILL)
+        assert sdk.responses.retrieve(first[0].response.id).status == "in_progress"
+        rest = read_events(
+            sdk.responses.retrieve(
+                first[0].response.id, stream=True, starting_after=first[-1].sequence_number
+            )
         )
-        first = read_events(stream, 6)
-    finally:
-        kill_group(doomed, signal.SIGKILL)
-    rest = read_events(
-        sdk.responses.retrieve(
-            first[0].response.id, stream=True, starting_after=first[-1].sequence_number
-        )
-    )
     assert_resumed(first, rest, until_ended(sdk, first[0].response.id))
 
 
