@@ -92,11 +92,11 @@ class AdapterHost:
 
     async def _load(self, name: str, path: str) -> None:
         if len(self._held) >= self.max_adapters:
-            # Not prefixed with the path: tried again once an adapter leaves.
-            self.refused[name] = (
-                f"this worker already holds {len(self._held)} adapters, its EDGEQ_MAX_ADAPTERS"
-            )
-            log.warning("adapter_refused", adapter=name, reason=self.refused[name])
+            # Not prefixed with the path: tried again each sync, until an adapter leaves.
+            full = f"this worker already holds {len(self._held)} adapters, its EDGEQ_MAX_ADAPTERS"
+            if self.refused.get(name) != full:  # logged once, not every sync
+                log.warning("adapter_refused", adapter=name, path=path, reason=full)
+            self.refused[name] = full
             return
         problem = adapter_problem(path, max_rank=self.max_rank)
         request = LoRARequest(name, next(self._ids), path)

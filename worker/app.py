@@ -151,6 +151,8 @@ async def follow_adapter_registry(state: WorkerState, host: AdapterHost) -> None
             await host.sync(await wanted_adapters(state))
         except REDIS_ERRORS as error:
             log.warning("adapter_registry_unreadable", error=f"{type(error).__name__}: {error}")
+        except Exception:  # the next round tries again; jobs go on with what is held
+            log.exception("adapter_sync_failed")
 
 
 #: Why a worker with LoRA off serves no registered adapter (``edgeq adapters load`` shows it).
