@@ -37,8 +37,15 @@ SCAN_INTERVAL_S = 0.5
 
 
 class ResponseFollower:
-    def __init__(self, client: ChatClient, store: ResponseStore, settings: GatewaySettings) -> None:
+    def __init__(
+        self,
+        client: ChatClient,
+        store: ResponseStore,
+        settings: GatewaySettings,
+        sender: WebhookSender | None = None,
+    ) -> None:
         self.client = client
+        self.sender = sender  # this process's, woken when an event is queued
         self.store = store
         self.settings = settings
         self.owner = uuid.uuid4().hex
@@ -63,13 +70,18 @@ class ResponseFollower:
 
     async def _scan(self) -> None:
         for job_id in await self.store.open_ids():
-            if job_id in self.following:
-                continue
-            if not await self.store.claim(job_id, self.owner, self.lease_ms):
-                continue
-            task = asyncio.create_task(self._follow(job_id))
-            self.following[job_id] = task
-            task.add_done_callback(lambda _, job_id=job_id: self.following.pop(job_id, None))
+            await self.adopt(job_id)
+
+    async def adopt(self, job_id: str) -> None:
+        """Follow ``job_id`` unless this or another process does already. The process that
+        stores a response adopts it at once, so a short one is not left to the next scan."""
+        if job_id in self.following:
+            return
+        if not await self.store.claim(job_id, self.owner, self.lease_ms):
+            return
+        task = asyncio.create_task(self._follow(job_id))
+        self.following[job_id] = task
+        task.add_done_callback(lambda _, job_id=job_id: self.following.pop(job_id, None))
 
     async def _follow(self, job_id: str) -> None:
         renewing = asyncio.create_task(self._renew(job_id))
@@ -108,6 +120,8 @@ class ResponseFollower:
             response_id=response_id(job_id),
             tenant=request.get("tenant"),
         )
+        if self.sender is not None:
+            self.sender.wake()
         await self.store.finish(job_id, events)
         await self.store.release(job_id)
         log.info("response_ended", job_id=job_id, status=state.status)
@@ -134,9 +148,12 @@ async def follow_responses(app: FastAPI, client: ChatClient) -> AsyncIterator[No
     settings: GatewaySettings = app.state.settings
     store = ResponseStore(client.redis, queue=settings.queue, ttl_s=settings.gateway_response_ttl_s)
     app.state.responses = store
-    tasks = [asyncio.create_task(ResponseFollower(client, store, settings).run())]
-    if settings.gateway_webhooks:
-        tasks.append(asyncio.create_task(WebhookSender(client.redis, settings).run()))
+    sender = WebhookSender(client.redis, settings) if settings.gateway_webhooks else None
+    follower = ResponseFollower(client, store, settings, sender)
+    app.state.response_follower = follower
+    tasks = [asyncio.create_task(follower.run())]
+    if sender is not None:
+        tasks.append(asyncio.create_task(sender.run()))
     try:
         yield
     finally:

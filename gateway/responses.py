@@ -351,6 +351,10 @@ async def create_response(
             await cancel_job(job, "the gateway could not store the response")
             await job.aclose()
             raise
+        try:
+            await request.app.state.response_follower.adopt(job.job_id)
+        except Exception as error:  # Redis away: the next scan of any gateway adopts it
+            bound.warning("response_adopt_failed", error=f"{type(error).__name__}: {error}")
     headers = {JOB_ID_HEADER: job.job_id}
     if body.stream:
         bound.info("response_streaming")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -119,21 +120,29 @@ class WebhookSender:
         self.slots = {tag: asyncio.Semaphore(settings.gateway_webhook_concurrency)
                       for tag in self.endpoints}  # fmt: skip
         self.in_flight: set[str] = set()
+        self.woken = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
         self.http = httpx.AsyncClient(timeout=settings.gateway_webhook_timeout_s)
         # httpx logs each request with its URL at INFO; the sender logs its own events.
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
+    def wake(self) -> None:
+        """An event was just queued by this process: poll now, not at the next interval."""
+        self.woken.set()
+
     async def run(self) -> None:
         try:
             while True:
+                self.woken.clear()
                 try:
                     with redis_errors(self.settings.redis_url):
                         await self._poll()
                 except RedisUnavailable as error:
                     log.warning("webhook_poll_failed", error=str(error))
                     await asyncio.sleep(1.0)
-                await asyncio.sleep(POLL_INTERVAL_S)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_INTERVAL_S):
+                        await self.woken.wait()
         finally:
             await cancel_and_wait(*self.tasks)
             await self.http.aclose()
