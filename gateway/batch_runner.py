@@ -257,7 +257,8 @@ class BatchRun:
             await self.client.cancel(
                 line_job_id(self.store.queue, self.batch_id, line, attempt), reason
             )
-        await asyncio.wait(tasks.values(), timeout=30)
+        if tasks:  # each records what its job ended with (cancelled, or done just before)
+            await asyncio.wait(tasks.values(), timeout=30)
         await self.finish(why)
 
     async def finish(self, status: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from edgeq.testing.processes import GatewayProcess, WorkerProcess, stop_process
+from helpers import EDGEQ
 
 pytestmark = pytest.mark.engine
 
@@ -137,3 +139,28 @@ def test_a_killed_gateways_batch_is_finished_by_another(
         assert "batch_running" in second.log_path.read_text()
     finally:
         second.stop()
+
+
+def test_edgeq_batch_submit_wait_runs_without_a_gateway(
+    worker: WorkerProcess, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """``edgeq batch submit --wait`` runs the batch itself (no gateway is running) with a
+    progress line, and ``edgeq batch results`` prints every custom_id once."""
+    model = worker.env["EDGEQ_MODEL"]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(line(f"cli-{n}", model)) + "\n" for n in range(5)))
+    submit = subprocess.run(
+        [*EDGEQ, "batch", "submit", str(path), "--wait"],
+        env=cli_env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    batch_id = submit.stdout.strip()
+    assert batch_id.startswith("batch_")
+    assert "completed: 5 completed, 0 failed of 5" in submit.stderr
+    results = subprocess.run(
+        [*EDGEQ, "batch", "results", batch_id],
+        env=cli_env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert results.returncode == 0, results.stderr
+    ids = sorted(json.loads(text)["custom_id"] for text in results.stdout.splitlines())
+    assert ids == [f"cli-{n}" for n in range(5)]
