@@ -397,6 +397,9 @@ class FakeNames:
             raise self._fail
         return self._names
 
+    async def adapters(self) -> list[str]:  # no LoRA adapter here (tests/test_adapters.py)
+        return []
+
 
 def test_models_lists_every_name_and_needs_a_key_before_it_asks_redis() -> None:
     names = FakeNames([MODEL, "qwen-small"])
