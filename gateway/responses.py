@@ -410,7 +410,7 @@ async def _conversation_of(
 
 
 async def _live(
-    job: ChatJob,
+    job: ChatJob | None,
     record: dict[str, Any],
     *,
     starting_after: int,
@@ -418,14 +418,15 @@ async def _live(
     stored: list[DeltaEvent | DoneEvent | ErrorEvent] | None = None,
 ) -> AsyncIterator[ServerSentEvent]:
     """The response's stream events after ``starting_after``: the job's events from its first
-    (replayed from Redis), numbered by ResponseEvents, then live until its terminal event."""
+    (replayed from Redis), numbered by ResponseEvents, then live until its terminal event;
+    with ``stored`` (an ended response's kept events), those and no job."""
     mapper = ResponseEvents(record)
     ended = False
     try:
         for event in mapper.opening():
             if event["sequence_number"] > starting_after:
                 yield sse(event)
-        source = _replayed(stored) if stored is not None else job.stream()
+        source = job.stream() if job is not None else _replayed(stored or [])
         async for job_event in source:
             for event in mapper.feed(job_event):
                 if event["sequence_number"] > starting_after:
@@ -434,15 +435,16 @@ async def _live(
                 ended = True
                 break
     except EdgeqError as error:
+        # Not one of the response's events: it carries the number of the last one sent, so
+        # a client that resumes after it (starting_after) misses nothing.
         failure = client_error(error)
-        yield sse(
-            {"type": "error", "sequence_number": mapper.sequence + 1, **failure.body["error"]}
-        )
+        yield sse({"type": "error", "sequence_number": mapper.sequence, **failure.body["error"]})
     finally:
-        if not ended and cancel_on_leave:
-            await cancel_job(job, "the HTTP client disconnected")
-        with anyio.CancelScope(shield=True):
-            await job.aclose()
+        if job is not None:
+            if not ended and cancel_on_leave:
+                await cancel_job(job, "the HTTP client disconnected")
+            with anyio.CancelScope(shield=True):
+                await job.aclose()
 
 
 async def _replayed(
@@ -466,10 +468,12 @@ async def retrieve_response(
     if not stream:
         state = await current_state(store, record, stored)
         return JSONResponse(response_json(record, state), headers={JOB_ID_HEADER: job_id})
-    try:
-        job = await client.attach(job_id)
-    except EdgeqError as error:
-        raise client_error(error) from None
+    job = None
+    if stored is None:  # not ended when it was loaded: follow its job
+        try:
+            job = await client.attach(job_id)
+        except EdgeqError as error:
+            raise client_error(error) from None
     return EventSourceResponse(
         _live(job, record, starting_after=starting_after, cancel_on_leave=False, stored=stored),
         headers={JOB_ID_HEADER: job_id},
