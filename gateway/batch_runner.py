@@ -94,8 +94,12 @@ class BatchRun:
 
     async def run(self) -> None:
         fields = await self.store.raw_batch(self.batch_id)
-        if fields is None or fields["status"] in FINAL_STATUSES:
-            await self.store.redis.srem(active_batches_key(self.store.queue), self.batch_id)
+        if fields is None or fields["status"] in FINAL_STATUSES:  # a runner died finishing it
+            parts = ("input", "inflight", "out", "err", "attempts")
+            async with self.store.redis.pipeline(transaction=True) as pipe:
+                pipe.srem(active_batches_key(self.store.queue), self.batch_id)
+                pipe.delete(*(self.store.part(part, self.batch_id) for part in parts))
+                await pipe.execute()
             return
         doc = json.loads(fields["doc"])
         self.tenant, self.total, self.expires_at = fields["tenant"], doc["total"], doc["expires_at"]
@@ -301,17 +305,22 @@ class BatchRun:
                 self.tenant, f"{batch_id}_{suffix}.jsonl", OUTPUT_PURPOSE, content, file_id=file_id
             )
             record_fields[f"{suffix}_file_id"] = file_id
-        if record_fields:
-            await redis.hset(batch_key(store.queue, batch_id), mapping=record_fields)
+        # The counts move into the record: the lines' hashes are the files now, not kept twice.
+        record_fields["completed"] = str(await redis.hlen(out_key))
+        record_fields["failed"] = str(await redis.hlen(err_key))
+        await redis.hset(batch_key(store.queue, batch_id), mapping=record_fields)
         await store.set_status(batch_id, status, since=since)  # type: ignore[arg-type]
         retention_ms = int(self.runner.settings.gateway_file_retention_s * 1000)
         async with redis.pipeline(transaction=True) as pipe:
             pipe.srem(active_batches_key(store.queue), batch_id)
             pipe.delete(
-                input_key, store.part("inflight", batch_id), store.part("attempts", batch_id)
+                input_key,
+                out_key,
+                err_key,
+                store.part("inflight", batch_id),
+                store.part("attempts", batch_id),
             )
-            for key in (batch_key(store.queue, batch_id), out_key, err_key):
-                pipe.pexpire(key, retention_ms)
+            pipe.pexpire(batch_key(store.queue, batch_id), retention_ms)
             await pipe.execute()
         self.log.info("batch_finished", status=status)
 

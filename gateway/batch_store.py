@@ -505,7 +505,12 @@ class BatchStore:
             else None,
             output_file_id=fields.get("output_file_id"),
             error_file_id=fields.get("error_file_id"),
-            request_counts=RequestCounts(total=doc["total"], completed=completed, failed=failed),
+            # A finished batch keeps its counts in its record (its lines' hashes are gone).
+            request_counts=RequestCounts(
+                total=doc["total"],
+                completed=int(fields.get("completed", completed)),
+                failed=int(fields.get("failed", failed)),
+            ),
             **{stamp: _int(fields.get(stamp)) for stamp in stamps},
         )
 
