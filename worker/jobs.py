@@ -321,7 +321,7 @@ async def _run_chat(
             queued_ms=_ms_since(enqueued_s, started_s),
             priority=labels.priority,
             tenant=request.tenant,
-            adapter=adapter,
+            **({"adapter": adapter} if adapter else {}),
             prompt_tokens=len(generation.prompt),
             max_tokens=max(generation.left, 0),
             thinking=generation.thinking,
