@@ -36,7 +36,7 @@ import structlog
 from edgeq.core.cluster import hash_tag
 from edgeq.core.errors import EdgeqError, JobFailed, JobTimeout, RedisUnavailable
 from edgeq.core.events import finished_with
-from edgeq.core.keys import active_batches_key, batch_key
+from edgeq.core.keys import active_batches_key, batch_key, events_key
 from edgeq.core.protocol import ChatResult, ErrorCode
 from edgeq.core.scripts import lua_script
 from edgeq.gateway.batch_store import (
@@ -179,28 +179,32 @@ class BatchRun:
     async def job_outcome(self, job_id: str, item: BatchLine) -> ChatResult | JobFailed:
         """Enqueue the line's job unless it exists (or ended), then wait for its end."""
         client, settings = self.client, self.runner.settings
-        if await finished_with(client.redis, job_id) is None:
-            while True:
-                if self.stopping is not None:
-                    return JobFailed(
-                        job_id,
-                        f"batch_{self.stopping}",
-                        f"the batch was {self.stopping} before this line ran",
-                    )
-                outcome, _ = await client.queue.enqueue(
-                    job_id,
-                    item.request,
-                    # A line not started when the batch's window ends never starts.
-                    deadline_s=max(1.0, self.expires_at - time.time()),
-                    max_depth=settings.max_queue,
-                    tenant=self.tenant,
-                    priority="batch",
-                )
-                # DUPLICATE_ID: a runner before us enqueued it; attach to it below.
-                if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
-                    break
-                await asyncio.sleep(QUEUE_FULL_RETRY_S)  # the queue or the tenant is full
         while True:
+            # Not started (no events) and not ended: enqueue it; DUPLICATE_ID means it is
+            # queued already (a runner before us enqueued it). Looked at again after each
+            # silence, so a job a Redis restart without AOF lost is enqueued again.
+            if await finished_with(client.redis, job_id) is None and not await client.redis.exists(
+                events_key(job_id)
+            ):
+                while True:
+                    if self.stopping is not None:
+                        return JobFailed(
+                            job_id,
+                            f"batch_{self.stopping}",
+                            f"the batch was {self.stopping} before this line ran",
+                        )
+                    outcome, _ = await client.queue.enqueue(
+                        job_id,
+                        item.request,
+                        # A line not started when the batch's window ends never starts.
+                        deadline_s=max(1.0, self.expires_at - time.time()),
+                        max_depth=settings.max_queue,
+                        tenant=self.tenant,
+                        priority="batch",
+                    )
+                    if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
+                        break
+                    await asyncio.sleep(QUEUE_FULL_RETRY_S)  # the queue or the tenant is full
             job = await client.attach(job_id)
             try:
                 return await job.result()
