@@ -5,6 +5,7 @@ custom_id exactly once, even when the gateway running the batch is killed mid-ba
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import signal
@@ -18,6 +19,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
+from edgeq.core.keys import leases_key
+from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import GatewayProcess, WorkerProcess, stop_process
 from helpers import EDGEQ
 
@@ -164,3 +167,36 @@ def test_edgeq_batch_submit_wait_runs_without_a_gateway(
     assert results.returncode == 0, results.stderr
     ids = sorted(json.loads(text)["custom_id"] for text in results.stdout.splitlines())
     assert ids == [f"cli-{n}" for n in range(5)]
+
+
+async def test_a_chat_sent_while_a_batch_runs_starts_before_its_queued_lines(
+    worker: WorkerProcess, client: ChatClient, tmp_path: Path
+) -> None:
+    """The batch's lines are jobs of the batch class: an interactive chat sent while lines
+    wait in the queue is started (the worker's log, in order) before every one of them."""
+    env = gateway_env(worker, EDGEQ_GATEWAY_BATCH_WINDOW="300")
+    process = GatewayProcess(env, tmp_path / "gateway.log").start()
+    try:
+        sdk = openai.OpenAI(base_url=process.base_url, api_key="unused", max_retries=0)
+        model = worker.env["EDGEQ_MODEL"]
+        batch_id = create_batch(sdk, [line(f"p-{n}", model, max_tokens=64) for n in range(300)])
+        await asyncio.to_thread(
+            wait_until, sdk, batch_id, lambda b: b.request_counts.completed >= 1, 120
+        )
+        job = await client.submit("Quick question", max_tokens=4, priority="interactive")
+        queue = worker.env["EDGEQ_QUEUE"]
+        queued = {raw.decode() for raw in await client.redis.zrange(queue, 0, -1)}
+        running = {raw.decode() for raw in await client.redis.zrange(leases_key(queue), 0, -1)}
+        waiting = queued - running - {job.job_id}
+        assert waiting, "no batch line was waiting in the queue: the test shows nothing"
+        await job.result()
+        await asyncio.to_thread(wait_until, sdk, batch_id, lambda b: b.status == "completed", 240)
+        started = [
+            json.loads(text)["job_id"]
+            for text in worker.log_path.read_text().splitlines()
+            if '"job_started"' in text
+        ]
+        chat_at = started.index(job.job_id)
+        assert all(started.index(job_id) > chat_at for job_id in waiting if job_id in started)
+    finally:
+        process.stop()
