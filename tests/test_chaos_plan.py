@@ -19,10 +19,12 @@ from edgeq.cli import build_parser
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.producer.client import build_request
 from edgeq.testing.chaos import (
+    FAULT_GAP_S,
     FAULT_KINDS,
     JOB_KINDS,
     QUIET_TAIL,
     Cluster,
+    Fault,
     FaultRecord,
     JobRecord,
     JobSpec,
@@ -31,6 +33,7 @@ from edgeq.testing.chaos import (
     check_events,
     check_outcome,
     fault_schedule,
+    fault_start_s,
     job_spec,
     percentile,
     windows_of,
@@ -86,6 +89,14 @@ def test_a_short_campaign_still_gets_every_kind_of_fault_one_after_another(seed:
             assert 0.05 <= fault.delay_s <= 0.4 and fault.hold_s >= 3
         else:
             assert fault.delay_s == 0.0
+
+
+def test_a_fault_behind_a_late_one_keeps_its_gap() -> None:
+    planned = Fault("kill_worker", at_s=40.0, hold_s=0.0)
+    assert fault_start_s(planned, None) == 40.0
+    assert fault_start_s(planned, 20.0) == 40.0  # the one before ended in time
+    # The one before came late and ended at 38 s: not at 40 s, a whole gap after it.
+    assert fault_start_s(planned, 38.0) == 38.0 + FAULT_GAP_S[0]
 
 
 def test_a_long_campaign_keeps_faulting_until_its_quiet_tail() -> None:

@@ -202,6 +202,16 @@ def fault_schedule(
     return faults
 
 
+def fault_start_s(fault: Fault, previous_ended_s: float | None) -> float:
+    """When a planned fault starts: at its time, but never less than the shortest gap after
+    the one before ended. A fault can come late (its victim had to be waited for); fired
+    back to back behind it, the next ones left no worker serving for minutes while restarts
+    were slow (a 30-minute run, #34)."""
+    if previous_ended_s is None:
+        return fault.at_s
+    return max(fault.at_s, previous_ended_s + FAULT_GAP_S[0])
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """One chat of the workload: its kind, the submit fields, and what the driver does."""
@@ -941,9 +951,11 @@ class Campaign:
             lease_ttl_s=self.cluster.lease_ttl_s,
             outage_s=self.cluster.outage_s,
         )
+        ended_at: float | None = None
         for fault in plan:
-            await asyncio.sleep(max(0.0, fault.at_s - self.now()))
+            await asyncio.sleep(max(0.0, fault_start_s(fault, ended_at) - self.now()))
             await self._inject(fault)
+            ended_at = self.now()
 
     async def _victim(self, fault: Fault) -> WorkerSlot | None:
         """A serving worker, picked by the plan's ``target``; waits for one (a restart)."""
