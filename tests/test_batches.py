@@ -185,8 +185,14 @@ async def test_a_chat_sent_while_a_batch_runs_starts_before_its_queued_lines(
         )
         job = await client.submit("Quick question", max_tokens=4, priority="interactive")
         queue = worker.env["EDGEQ_QUEUE"]
-        queued = {raw.decode() for raw in await client.redis.zrange(queue, 0, -1)}
-        running = {raw.decode() for raw in await client.redis.zrange(leases_key(queue), 0, -1)}
+        # One snapshot: a line that ended between two separate reads was in the queue of the
+        # first and gone from the leases of the second, and counted as waiting (a CI run).
+        async with client.redis.pipeline(transaction=True) as snapshot:
+            snapshot.zrange(queue, 0, -1)
+            snapshot.zrange(leases_key(queue), 0, -1)
+            queued_raw, running_raw = await snapshot.execute()
+        queued = {raw.decode() for raw in queued_raw}
+        running = {raw.decode() for raw in running_raw}
         waiting = queued - running - {job.job_id}
         assert waiting, "no batch line was waiting in the queue: the test shows nothing"
         await job.result()
