@@ -3,8 +3,10 @@ checks every job goes through, the report's arithmetic, and Redis restarted on i
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,3 +263,30 @@ def test_a_frozen_worker_and_its_children_are_stopped_and_resumed(tmp_path: Path
     finally:
         worker.stop(signal.SIGKILL)  # the group: the child too
         cluster.close()
+
+
+async def test_a_worker_ready_only_after_its_start_timeout_is_counted_as_serving(
+    tmp_path: Path,
+) -> None:
+    """A 30-minute run (#34): an engine build took 334 s, past the harness's ready wait; the
+    worker then served, but its slot was never counted as serving again."""
+    cluster = Cluster(tmp_path, tmp_path, 1, False, 5.0, 8.0, True)
+    slot = cluster.slots[0]
+    log = tmp_path / "worker.log"
+    log.write_text("")
+    # A stand-in for a worker whose engine is still building: alive, not ready yet.
+    starting = subprocess.Popen(["sleep", "60"])  # noqa: ASYNC220 (returns at once)
+    slot.worker = WorkerProcess({}, log, process=starting)
+    supervisor = asyncio.create_task(cluster.supervise(slot))
+    try:
+        await asyncio.sleep(0.5)
+        assert not slot.ready  # still starting
+        log.write_text(json.dumps({"event": "worker_ready", "level": "info"}) + "\n")
+        await asyncio.sleep(0.5)
+        assert slot.ready
+    finally:
+        cluster.closing = True
+        supervisor.cancel()
+        slot.worker.process.kill()
+        slot.worker.process.wait()
+        shutil.rmtree(cluster.tmpdir, ignore_errors=True)

@@ -455,6 +455,11 @@ class Cluster:
             if worker is not None and worker.process is not None:
                 code = worker.process.poll()
                 if code is None:
+                    # Ready after _wait_ready gave up on it: still starting, and serving now
+                    # (an engine build took 334 s while the other engine held the same core,
+                    # in a 30-minute run; it was never counted as serving again).
+                    if not slot.ready and worker._find_ready_event() is not None:
+                        self._serving(slot)
                     await asyncio.sleep(0.2)
                     continue
                 if slot.ready and not slot.killed and not self.closing:
