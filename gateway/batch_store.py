@@ -36,7 +36,7 @@ from edgeq.core.keys import (
     file_key,
     files_key,
 )
-from edgeq.core.protocol import describe_validation_error, dump_json, limit_problem
+from edgeq.core.protocol import describe_validation_error, dump_json, job_payload
 from edgeq.core.scripts import lua_script
 from edgeq.gateway.openai_api import ChatCompletionRequest, UnsupportedField
 from edgeq.gateway.settings import GatewaySettings
@@ -194,14 +194,7 @@ def parse_line(
             f"body.model: {chat.model!r} is not served here (one of {', '.join(models)})",
             "body.model",
         )
-    payload = request.model_dump(mode="json", exclude_none=True)
-    problem = limit_problem(
-        request,
-        len(dump_json(payload)),
-        max_bytes=settings.max_request_bytes,
-        max_messages=settings.max_messages,
-        max_tokens=settings.max_tokens_limit,
-    )
+    payload, problem = job_payload(request, settings)
     if problem:
         return _problem(number, "invalid_request", f"body: {problem}", "body")
     return BatchLine(custom_id=custom_id, model=chat.model, request=payload)

@@ -47,8 +47,7 @@ from edgeq.core.protocol import (
     StreamEvent,
     decode_event,
     describe_validation_error,
-    dump_json,
-    limit_problem,
+    job_payload,
 )
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.core.structured import ModelT, json_schema_format, parse_answer
@@ -314,14 +313,7 @@ class ChatClient:
         request = build_request(messages, **fields)
         if request.tenant is None:
             request = request.model_copy(update={"tenant": settings.tenant})
-        payload = request.model_dump(mode="json", exclude_none=True)
-        problem = limit_problem(
-            request,
-            len(dump_json(payload)),
-            max_bytes=settings.max_request_bytes,
-            max_messages=settings.max_messages,
-            max_tokens=settings.max_tokens_limit,
-        )
+        payload, problem = job_payload(request, settings)
         if problem:
             raise InvalidRequest(problem)
         if request.adapter is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import (
     BaseModel,
@@ -200,6 +200,28 @@ def limit_problem(
             f"(EDGEQ_MAX_TOKENS_LIMIT)"
         )
     return None
+
+
+class SizeLimits(Protocol):
+    """The box's request size limits, as the settings name them (core/settings.py)."""
+
+    max_request_bytes: int
+    max_messages: int
+    max_tokens_limit: int
+
+
+def job_payload(request: ChatRequest, limits: SizeLimits) -> tuple[dict[str, Any], str | None]:
+    """The request as a job's payload, and why it exceeds ``limits`` (None: it does not).
+    A producer's check before it enqueues: the client's, and a batch line's."""
+    payload = request.model_dump(mode="json", exclude_none=True)
+    problem = limit_problem(
+        request,
+        len(dump_json(payload)),
+        max_bytes=limits.max_request_bytes,
+        max_messages=limits.max_messages,
+        max_tokens=limits.max_tokens_limit,
+    )
+    return payload, problem
 
 
 def describe_validation_error(error: ValidationError) -> str:
