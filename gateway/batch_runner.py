@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from edgeq.core.cluster import hash_tag
+from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import EdgeqError, JobFailed, JobTimeout, RedisUnavailable
 from edgeq.core.events import finished_with
 from edgeq.core.keys import active_batches_key, batch_key, events_key
@@ -360,7 +361,7 @@ class BatchRunner:
             if not run.done():
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
-            with contextlib.suppress(EdgeqError, OSError):
+            with contextlib.suppress(EdgeqError, *REDIS_ERRORS):
                 await self.client.redis.delete(self.store.part("lease", batch_id))
 
     async def poll_once(self, only: str | None = None) -> None:
@@ -378,7 +379,7 @@ class BatchRunner:
             await self.run_batch(batch_id)
         except LeaseLost:
             log.warning("batch_lease_lost", batch_id=batch_id)
-        except (RedisUnavailable, EdgeqError, OSError) as error:
+        except (RedisUnavailable, EdgeqError, *REDIS_ERRORS) as error:
             log.warning("batch_runner_error", batch_id=batch_id, error=str(error))
         except Exception:
             log.exception("batch_runner_failed", batch_id=batch_id)
@@ -390,7 +391,8 @@ class BatchRunner:
             while True:
                 try:
                     await self.poll_once(only)
-                except (RedisUnavailable, EdgeqError, OSError) as error:
+                # Redis away (restarting): the runner lives on and looks again.
+                except (RedisUnavailable, EdgeqError, *REDIS_ERRORS) as error:
                     log.warning("batch_runner_poll_failed", error=str(error))
                 await asyncio.sleep(POLL_S)
         finally:

@@ -1,16 +1,22 @@
-"""A background response's stream survives a worker SIGKILLed mid-answer (another worker
-continues the job) and a Redis restart (append-only file) mid-answer: resumed with
-``starting_after``, the stream is gap-free, its text is the stored output, and the response
-ends ``incomplete`` (it ran its whole max_output_tokens). Own Redis, two own workers, one
-gateway: the one test here that starts engines of its own."""
+"""Work over HTTP survives a worker SIGKILLed mid-answer (another worker continues its jobs)
+and a Redis restart (append-only file) mid-answer:
+
+- a background response's stream, resumed with ``starting_after``, is gap-free, its text is the
+  stored output, and the response ends ``incomplete`` (it ran its whole max_output_tokens);
+- a batch completes with every custom_id exactly once in its output file.
+
+Own Redis, two own workers (started again for the next test when one was killed), one gateway:
+the one module here that starts engines of its own."""
 
 from __future__ import annotations
 
+import io
 import json
 import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +25,9 @@ import psutil
 import pytest
 from redis import Redis as SyncRedis
 
-from edgeq.core.keys import events_key
+from edgeq.core.keys import events_key, leases_key
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
-from helpers import FULL_LENGTH_SEEDS, engine_env, ready_worker, slowed
+from helpers import FULL_LENGTH_SEEDS, engine_env, slowed
 
 pytestmark = pytest.mark.engine
 
@@ -88,42 +94,155 @@ def start_stream(sdk: openai.OpenAI, model: str, seed: int) -> Any:
     )
 
 
-def test_a_stream_resumes_after_a_worker_sigkill_and_a_redis_restart(
-    tiny_model: Path, tmp_path: Path
-) -> None:
-    redis_server = RedisServer(extra_args=("--appendonly", "yes", "--dir", str(tmp_path))).start()
+@dataclass
+class Box:
+    """A private Redis with an append-only file, two workers on it and a gateway."""
+
+    redis: RedisServer
+    env: dict[str, str]
+    logs: Path
+    gateway: GatewayProcess
+    workers: list[WorkerProcess] = field(default_factory=list)
+
+    def serving(self) -> tuple[WorkerProcess, WorkerProcess]:
+        """Both workers ready; one a test killed is started again (with its engine)."""
+        for index in range(2):
+            worker = self.workers[index] if index < len(self.workers) else None
+            if worker is not None and worker.process is not None:
+                if worker.process.poll() is None:
+                    continue
+                worker.stop()  # reaps what is left of its engine
+            started = WorkerProcess(self.env, self.logs / f"worker-{time.monotonic_ns()}.log")
+            if worker is None:
+                self.workers.append(started.start())
+            else:
+                self.workers[index] = started.start()
+        for worker in self.workers:
+            if worker.ready_event is None:
+                worker.wait_ready()
+        return self.workers[0], self.workers[1]
+
+    def restart_redis(self) -> None:
+        self.redis.stop()
+        time.sleep(1.0)
+        self.redis.start()
+
+
+@pytest.fixture(scope="module")
+def box(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
+    logs = tmp_path_factory.mktemp("faults")
+    redis_server = RedisServer(extra_args=("--appendonly", "yes", "--dir", str(logs))).start()
     env = engine_env(tiny_model, redis_server.url, QUEUE) | {"EDGEQ_LEASE_TTL_S": "3"}
     gateway_env = {name: env[name] for name in ("EDGEQ_REDIS_URL", "EDGEQ_QUEUE", "EDGEQ_MODEL")}
-    gateway = GatewayProcess(gateway_env, tmp_path / "gateway.log")
+    # A batch's runner killed by the Redis restart takes it again 2 s later, not 10 s.
+    gateway_env |= {"EDGEQ_GATEWAY_BATCH_LEASE_S": "2", "EDGEQ_GATEWAY_BATCH_WINDOW": "6"}
+    box = Box(redis_server, env, logs, GatewayProcess(gateway_env, logs / "gateway.log"))
     try:
-        with (
-            ready_worker(env, tmp_path / "a.log") as first,
-            ready_worker(env, tmp_path / "b.log") as second,
-        ):
-            gateway.start()
-            sdk = openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
-            model = env["EDGEQ_MODEL"]
-
-            # A worker SIGKILLed mid-answer: the other continues the job.
-            with slowed(first, second):
-                with paused(second):  # the first worker takes it
-                    seen = read_until(start_stream(sdk, model, FULL_LENGTH_SEEDS[0]), 8)
-                assert seen[-1].type == "response.output_text.delta"
-                first.stop(signal.SIGKILL)
-                final = assert_whole(sdk, resumed(sdk, seen))
-            raw = SyncRedis.from_url(redis_server.url).xrevrange(
-                events_key(final.id.removeprefix("resp_")), count=1
-            )
-            assert json.loads(raw[0][1][b"event"])["continued"] == 1
-
-            # Redis restarted mid-answer (its append-only file keeps the events).
-            with slowed(second):
-                seen = read_until(start_stream(sdk, model, FULL_LENGTH_SEEDS[1]), 8)
-                assert seen[-1].type == "response.output_text.delta"
-                redis_server.stop()
-                time.sleep(1.0)
-                redis_server.start()
-                assert_whole(sdk, resumed(sdk, seen))
+        box.serving()
+        box.gateway.start()
+        yield box
     finally:
-        gateway.stop()
+        box.gateway.stop()
+        for worker in box.workers:
+            worker.stop()
         redis_server.stop()
+
+
+def test_a_stream_resumes_after_a_worker_sigkill_and_a_redis_restart(box: Box) -> None:
+    first, second = box.serving()
+    sdk = openai.OpenAI(base_url=box.gateway.base_url, api_key="unused", max_retries=0)
+    model = box.env["EDGEQ_MODEL"]
+
+    # A worker SIGKILLed mid-answer: the other continues the job.
+    with slowed(first, second):
+        with paused(second):  # the first worker takes it
+            seen = read_until(start_stream(sdk, model, FULL_LENGTH_SEEDS[0]), 8)
+        assert seen[-1].type == "response.output_text.delta"
+        first.stop(signal.SIGKILL)
+        final = assert_whole(sdk, resumed(sdk, seen))
+    raw = SyncRedis.from_url(box.redis.url).xrevrange(
+        events_key(final.id.removeprefix("resp_")), count=1
+    )
+    assert json.loads(raw[0][1][b"event"])["continued"] == 1
+
+    # Redis restarted mid-answer (its append-only file keeps the events).
+    with slowed(second):
+        seen = read_until(start_stream(sdk, model, FULL_LENGTH_SEEDS[1]), 8)
+        assert seen[-1].type == "response.output_text.delta"
+        box.restart_redis()
+        assert_whole(sdk, resumed(sdk, seen))
+
+
+def batch_counts(sdk: openai.OpenAI, batch_id: str) -> Any:
+    """The batch, retrieved through a gateway that may be waiting for Redis."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return sdk.batches.retrieve(batch_id)
+        except (openai.APIError, openai.APIConnectionError):
+            assert time.monotonic() < deadline, "the gateway did not answer for 30 s"
+            time.sleep(0.5)
+
+
+def wait_batch(sdk: openai.OpenAI, batch_id: str, done: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not done(batch := batch_counts(sdk, batch_id)):
+        assert batch.status in ("in_progress", "finalizing"), batch
+        assert time.monotonic() < deadline, f"batch still {batch.status} {batch.request_counts}"
+        time.sleep(0.25)
+    return batch
+
+
+def test_a_batch_completes_exactly_once_through_a_worker_sigkill_and_a_redis_restart(
+    box: Box,
+) -> None:
+    """The first worker takes the batch's first lines and is SIGKILLed with lines running; the
+    other continues them. Then Redis restarts while lines run. Every custom_id is in the output
+    file exactly once, none failed, and at least one line's job was continued."""
+    first, second = box.serving()
+    sdk = openai.OpenAI(base_url=box.gateway.base_url, api_key="unused", max_retries=0)
+    model = box.env["EDGEQ_MODEL"]
+    lines = [
+        {
+            "custom_id": f"f-{n}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": f"Say something about {n}."}],
+                "max_tokens": 48,
+                "seed": FULL_LENGTH_SEEDS[n % len(FULL_LENGTH_SEEDS)],
+            },
+        }
+        for n in range(24)
+    ]
+    content = b"".join(json.dumps(item).encode() + b"\n" for item in lines)
+    file = sdk.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
+    with slowed(first, second):
+        with paused(second):  # the first worker takes the first window of lines
+            batch = sdk.batches.create(
+                input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            wait_batch(sdk, batch.id, lambda b: b.request_counts.completed >= 2, 120)
+            running = SyncRedis.from_url(box.redis.url).zcard(leases_key(QUEUE))
+            assert running > 0, "no line was running on the worker about to be killed"
+            first.stop(signal.SIGKILL)
+        done_before = batch_counts(sdk, batch.id).request_counts.completed
+        wait_batch(sdk, batch.id, lambda b: b.request_counts.completed >= done_before + 2, 120)
+    assert batch_counts(sdk, batch.id).request_counts.completed < len(lines) - 4
+    box.restart_redis()
+    batch = wait_batch(sdk, batch.id, lambda b: b.status == "completed", 240)
+
+    text = sdk.files.content(batch.output_file_id).text
+    output = [json.loads(entry) for entry in text.splitlines()]
+    assert sorted(item["custom_id"] for item in output) == sorted(i["custom_id"] for i in lines)
+    assert batch.error_file_id is None and batch.request_counts.failed == 0
+    assert batch.request_counts.completed == len(lines)
+    redis = SyncRedis.from_url(box.redis.url)
+    continued = [
+        item["custom_id"]
+        for item in output
+        if (last := redis.xrevrange(events_key(item["response"]["request_id"]), count=1))
+        and json.loads(last[0][1][b"event"]).get("continued")
+    ]
+    assert continued, "no line's job was continued after the SIGKILL"
