@@ -178,8 +178,10 @@ def parse_line(
         if chat.stream:
             raise UnsupportedField("stream: a batch line's answer is not streamed; leave it out")
         fields = chat.edgeq_fields()
-        # Every line runs in the batch class, under the batch's tenant (what it sent is ignored).
-        fields.update(priority="batch", tenant=tenant)
+        # Every line runs in the batch class, under the batch's tenant (what it sent is ignored),
+        # and is not streamed: the runner wants its result only, and a line's job then stores
+        # 2 events in Redis, not one for each stream interval of its answer.
+        fields.update(priority="batch", tenant=tenant, stream=False)
         request = build_request(fields.pop("messages"), **fields)
     except ValidationError as error:
         return _problem(

@@ -18,8 +18,9 @@ from typing import Any
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
+from redis import Redis as SyncRedis
 
-from edgeq.core.keys import leases_key
+from edgeq.core.keys import events_key, leases_key
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import GatewayProcess, WorkerProcess, stop_process
 from helpers import EDGEQ
@@ -110,6 +111,11 @@ def test_a_batch_through_the_official_sdk(gateway: str, worker: WorkerProcess) -
     (answer,) = [item for item in output if item["custom_id"] == "schema"]
     parsed = json.loads(answer["response"]["body"]["choices"][0]["message"]["content"])
     assert set(parsed) == {"city"} and isinstance(parsed["city"], str)
+    # Lines are not streamed: each job stored its answer as one delta and its done event.
+    redis = SyncRedis.from_url(worker.env["EDGEQ_REDIS_URL"])
+    for item in output:
+        stored = redis.xrange(events_key(item["response"]["request_id"]))
+        assert [json.loads(fields[b"event"])["type"] for _, fields in stored] == ["delta", "done"]
 
 
 def test_a_killed_gateways_batch_is_finished_by_another(

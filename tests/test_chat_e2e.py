@@ -13,6 +13,7 @@ import time
 import pytest
 from redis.asyncio import Redis
 
+from edgeq.core.events import read_events
 from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import WorkerProcess
@@ -68,6 +69,27 @@ async def test_coalescing_sends_fewer_deltas_than_tokens(client: ChatClient) -> 
     deltas = len(events) - 1
     # First token alone, then at most one delta per 20 ms interval.
     assert deltas < done.usage.completion_tokens
+
+
+async def test_a_chat_not_streamed_comes_as_one_delta_with_its_done(client: ChatClient) -> None:
+    """``stream=False`` (what a batch's lines ask): the whole answer in one delta right before
+    done, the replay buffer holding those two events only; the result is the same shape."""
+    job = await client.submit(
+        "Tell me a long story.",
+        max_tokens=LONG_ANSWER_TOKENS,
+        seed=FULL_LENGTH_SEEDS[0],
+        stream=False,
+    )
+    events = [event async for event in job.stream()]
+    assert [(event.type, event.seq) for event in events] == [("delta", 0), ("done", 1)]
+    delta, done = events
+    assert isinstance(delta, DeltaEvent) and isinstance(done, DoneEvent)
+    assert done.usage.completion_tokens == LONG_ANSWER_TOKENS and delta.text
+    assert done.timings.ttft_ms is not None  # the first token's time is still measured
+    stored = await read_events(client.redis, job.job_id)
+    assert [event.type for event in stored] == ["delta", "done"]
+    result = await (await client.attach(job.job_id)).result()
+    assert result.text == delta.text
 
 
 async def test_fifty_concurrent_chats_each_get_their_own_intact_stream(

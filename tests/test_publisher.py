@@ -91,6 +91,30 @@ async def test_first_text_at_once_then_at_most_one_delta_per_interval(redis: Red
     await pubsub.aclose()
 
 
+async def test_a_job_not_streamed_publishes_its_text_as_one_delta_with_its_end(
+    redis: Redis,
+) -> None:
+    """``live=False`` (ChatRequest.stream false): nothing is published while the answer is
+    made, then the whole text as one delta and the terminal event, and the replay buffer holds
+    those two events only."""
+    clock = FakeClock()
+    publisher = StreamPublisher(
+        EventLog(redis, replay_ttl_s=60), "quiet", interval_s=0.05, live=False, clock=clock
+    )
+    pubsub = await subscribed(redis, "quiet")
+    for piece in ("One", " two", " three"):
+        clock.now += 1.0  # well past the interval: a live stream would publish each
+        await publisher.publish_text(piece)
+    assert await received(pubsub) == []
+    assert await redis.exists(events_key("quiet")) == 0
+    await publisher.publish_done(done_event("quiet", completion_tokens=3))
+    tail = await received(pubsub)
+    assert [(e["type"], e["seq"]) for e in tail] == [("delta", 0), ("done", 1)]
+    assert tail[0]["text"] == "One two three"
+    assert [event.type for event in await read_events(redis, "quiet")] == ["delta", "done"]
+    await pubsub.aclose()
+
+
 async def test_exactly_one_terminal_event(redis: Redis) -> None:
     publisher = StreamPublisher(EventLog(redis, replay_ttl_s=60), "p2", interval_s=0)
     pubsub = await subscribed(redis, "p2")

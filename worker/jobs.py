@@ -259,6 +259,8 @@ async def run_chat(
 ) -> ChatResult:
     started_s = time.time()
     request = parse_request(payload, settings)
+    # Not streamed: the text waits in the publisher until the end (worker/publisher.py).
+    publisher.live = request.stream is not False
     adapter = job_adapter(request, settings)
     # Entered before anything is rendered: a job this worker cannot serve is refused at once,
     # and an adapter in use is not unloaded under it (worker/adapters.py).
@@ -441,6 +443,9 @@ async def stream_answer(
 
 
 def _refuse_if_unheard(publisher: StreamPublisher, settings: WorkerSettings) -> None:
+    # A job that is not streamed publishes nothing until it ends: nobody hears it by design.
+    if not publisher.live:
+        return
     if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
         raise JobRefused(
             ErrorCode.CANCELLED,

@@ -1,5 +1,6 @@
 """Publishing one job's stream: the first text at once, later text coalesced to at most one
-delta per interval, and one terminal event.
+delta per interval, and one terminal event. A job that is not streamed (``ChatRequest.stream``
+false) keeps its text here and publishes it as one delta right before its terminal event.
 
 The publisher numbers its events itself and Redis stores each at that ``seq`` or refuses it
 (core/events.py), which makes every append safe to repeat. So a Redis that goes away does not
@@ -43,6 +44,7 @@ class StreamPublisher:
         job_id: str,
         *,
         interval_s: float,
+        live: bool = True,
         outage_limit_s: float = 10.0,
         earlier: list[AnyEvent] | None = None,
         tenant: str | None = None,
@@ -52,6 +54,7 @@ class StreamPublisher:
         self._tenant = tenant  # its terminal outcome is counted for this tenant too
         self._log = log
         self._interval_s = interval_s
+        self.live = live
         self._outage_limit_s = outage_limit_s
         self._clock = clock
         self._pending: list[str] = []
@@ -82,6 +85,8 @@ class StreamPublisher:
         if not text:
             return
         self._pending.append(text)
+        if not self.live:
+            return  # published with the terminal event
         now = self._clock()
         if self._last_flush is None or now - self._last_flush >= self._interval_s:
             self._last_flush = now

@@ -108,6 +108,10 @@ class ChatRequest(BaseModel):
     # The LoRA adapter to answer with (core/adapters.py); None: the tenant's default adapter
     # on the worker (EDGEQ_TENANT_ADAPTERS), else the base model.
     adapter: str | None = Field(None, pattern=ADAPTER_PATTERN)
+    # False: the answer is published as one delta when it ends, just before its done event,
+    # instead of as it is made; for callers that only want the result (a batch's lines). None:
+    # streamed. See docs/wire-contract.md.
+    stream: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
