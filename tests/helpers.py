@@ -7,11 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -501,3 +503,62 @@ class LocalCluster:
         for process in self.processes:
             stop_process(process, signal.SIGTERM)
         self.processes = []
+
+
+#: The flaky webhook endpoint refuses each webhook-id this often, then takes it.
+FLAKY_REFUSALS = 3
+
+
+class WebhookReceiver:
+    """Webhook endpoints on loopback: /ok takes every event, /flaky refuses each webhook-id's
+    first FLAKY_REFUSALS attempts, /hang answers only once closed (or after 30 s). Every
+    request is kept: (path, headers, body, status sent, when)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, dict[str, str], bytes, int, float]] = []
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                headers = {name.lower(): value for name, value in self.headers.items()}
+                if self.path == "/hang":
+                    receiver.release.wait(30)
+                with receiver.lock:
+                    seen = receiver._attempts(self.path, headers["webhook-id"])
+                    status = 503 if self.path == "/flaky" and seen < FLAKY_REFUSALS else 200
+                    receiver.got.append((self.path, headers, body, status, time.monotonic()))
+                self.send_response(status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def delivered(self, path: str) -> list[tuple[dict[str, str], bytes]]:
+        """What ``path`` took (answered 200), in arrival order."""
+        with self.lock:
+            return [(h, b) for p, h, b, status, _ in self.got if p == path and status == 200]
+
+    def accepted(self, path: str, webhook_id: str) -> list[tuple[dict[str, str], bytes]]:
+        return [(h, b) for h, b in self.delivered(path) if h["webhook-id"] == webhook_id]
+
+    def attempts(self, path: str, webhook_id: str) -> int:
+        with self.lock:
+            return self._attempts(path, webhook_id)
+
+    def _attempts(self, path: str, webhook_id: str) -> int:
+        return sum(1 for got in self.got if got[0] == path and got[1]["webhook-id"] == webhook_id)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()

@@ -10,10 +10,8 @@ import json
 import os
 import secrets
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,81 +20,24 @@ import openai
 import pytest
 from redis import Redis as SyncRedis
 
-from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
-from helpers import FULL_LENGTH_SEEDS, slowed
+from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
+from helpers import FLAKY_REFUSALS, FULL_LENGTH_SEEDS, WebhookReceiver, slowed
 
 pytestmark = pytest.mark.engine
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-FLAKY_REFUSALS = 3  # the flaky receiver refuses each webhook-id this often, then takes it
 LONG = 300
 UNSERVED_QUEUE = "edgeq:responses-unserved"
 
 
-class Receiver:
-    """A webhook receiver: /ok takes every event, /flaky refuses each webhook-id's first
-    FLAKY_REFUSALS attempts; every request is kept (path, headers, body, status sent)."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict[str, str], bytes, int]] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                headers = {name.lower(): value for name, value in self.headers.items()}
-                with receiver.lock:
-                    seen = sum(
-                        1
-                        for path, sent, _, _ in receiver.requests
-                        if path == self.path and sent["webhook-id"] == headers["webhook-id"]
-                    )
-                    status = 503 if self.path == "/flaky" and seen < FLAKY_REFUSALS else 200
-                    receiver.requests.append((self.path, headers, body, status))
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
-
-    def accepted(self, path: str, webhook_id: str) -> list[tuple[dict[str, str], bytes]]:
-        with self.lock:
-            return [
-                (headers, body)
-                for where, headers, body, status in self.requests
-                if where == path and headers["webhook-id"] == webhook_id and status == 200
-            ]
-
-    def attempts(self, path: str, webhook_id: str) -> int:
-        with self.lock:
-            return sum(
-                1
-                for where, headers, _, _ in self.requests
-                if where == path and headers["webhook-id"] == webhook_id
-            )
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[Receiver]:
-    server = Receiver()
+def receiver() -> Iterator[WebhookReceiver]:
+    server = WebhookReceiver()
     yield server
     server.close()
 
 
-def gateway_env(worker: WorkerProcess, receiver: Receiver, **more: str) -> dict[str, str]:
+def gateway_env(worker: WorkerProcess, receiver: WebhookReceiver, **more: str) -> dict[str, str]:
     webhooks = [
         {"url": receiver.url("/ok"), "secret": SECRET},
         {"url": receiver.url("/flaky"), "secret": SECRET},
@@ -112,7 +53,7 @@ def gateway_env(worker: WorkerProcess, receiver: Receiver, **more: str) -> dict[
 
 @pytest.fixture(scope="module")
 def gateway(
-    worker: WorkerProcess, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
+    worker: WorkerProcess, receiver: WebhookReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
     """`edgeq gateway` with two processes (EDGEQ_GATEWAY_WORKERS=2) before the session's
     worker: a request may land on either, so every resume below crosses processes too."""
@@ -179,7 +120,7 @@ def text_of(events: list[Any]) -> str:
 
 
 def test_background_response_completes_and_is_delivered_signed(
-    sdk: openai.OpenAI, worker: WorkerProcess, receiver: Receiver
+    sdk: openai.OpenAI, worker: WorkerProcess, receiver: WebhookReceiver
 ) -> None:
     created = sdk.responses.create(
         model=model(worker),
@@ -250,7 +191,7 @@ def test_a_dropped_stream_resumes_where_it_stopped(
 def test_a_stream_resumes_after_its_gateway_was_killed(
     sdk: openai.OpenAI,
     worker: WorkerProcess,
-    receiver: Receiver,
+    receiver: WebhookReceiver,
     tmp_path: Path,
 ) -> None:
     doomed = GatewayProcess(gateway_env(worker, receiver), tmp_path / "doomed.log").start()

@@ -10,10 +10,8 @@ import base64
 import itertools
 import json
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
@@ -26,7 +24,8 @@ from edgeq.core.tasks import cancel_and_wait
 from edgeq.gateway.response_events import ResponseEvents, final_state, response_json
 from edgeq.gateway.settings import GatewaySettings
 from edgeq.gateway.webhooks import WebhookSender, due_key, enqueue_event, sign
-from edgeq.testing.processes import RedisServer, free_port
+from edgeq.testing.processes import RedisServer
+from helpers import WebhookReceiver
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
 
@@ -52,56 +51,9 @@ def test_a_signature_is_what_the_openai_sdk_verifies() -> None:
     assert unwrap(body, headers, plain).data.id == "resp_1"
 
 
-class Receiver:
-    """/ok takes everything, /flaky refuses each webhook-id 3 times, /hang never answers."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple[str, dict[str, str], bytes, int, float]] = []
-        self.lock = threading.Lock()
-        self.release = threading.Event()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                headers = {name.lower(): value for name, value in self.headers.items()}
-                if self.path == "/hang":
-                    receiver.release.wait(30)
-                with receiver.lock:
-                    webhook_id = headers["webhook-id"]
-                    seen = sum(
-                        1
-                        for got in receiver.got
-                        if got[0] == self.path and got[1]["webhook-id"] == webhook_id
-                    )
-                    status = 503 if self.path == "/flaky" and seen < 3 else 200
-                    receiver.got.append((self.path, headers, body, status, time.monotonic()))
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
-
-    def delivered(self, path: str) -> list[tuple[dict[str, str], bytes]]:
-        with self.lock:
-            return [(h, b) for p, h, b, status, _ in self.got if p == path and status == 200]
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    server = Receiver()
+def receiver() -> Iterator[WebhookReceiver]:
+    server = WebhookReceiver()
     yield server
     server.close()
 
@@ -139,13 +91,13 @@ async def test_an_event_queued_while_no_gateway_ran_is_delivered_once_per_endpoi
     redis: Redis,
     redis_server: RedisServer,
     queue: str,
-    receiver: Receiver,
+    receiver: WebhookReceiver,
     sending: list[asyncio.Task[None]],
 ) -> None:
     settings = settings_for(redis_server, queue, receiver.url("/ok"), receiver.url("/flaky"))
     # Queued before any sender runs (a gateway that died after its follower queued it).
     queued = await enqueue_event(
-        redis, settings, event_type="response.completed", response_id="resp_abc", tenant=None
+        redis, settings, event_type="response.completed", object_id="resp_abc", tenant=None
     )
     assert queued == 2 and await redis.zcard(due_key(queue)) == 2
     sending.append(asyncio.create_task(WebhookSender(redis, settings).run()))
@@ -165,7 +117,7 @@ async def test_an_event_queued_while_no_gateway_ran_is_delivered_once_per_endpoi
     assert await redis.zcard(due_key(queue)) == 0
     # Queued again (a follower that died before it recorded the end): a new delivery, same id.
     await enqueue_event(
-        redis, settings, event_type="response.completed", response_id="resp_abc", tenant=None
+        redis, settings, event_type="response.completed", object_id="resp_abc", tenant=None
     )
     await wait_for(lambda: len(receiver.delivered("/ok")) == 2)
     assert {h["webhook-id"] for h, _ in receiver.delivered("/ok")} == {headers["webhook-id"]}
@@ -175,7 +127,7 @@ async def test_a_hanging_endpoint_holds_up_no_other_and_a_tenants_endpoint_gets_
     redis: Redis,
     redis_server: RedisServer,
     queue: str,
-    receiver: Receiver,
+    receiver: WebhookReceiver,
     sending: list[asyncio.Task[None]],
 ) -> None:
     settings = GatewaySettings(
@@ -192,7 +144,7 @@ async def test_a_hanging_endpoint_holds_up_no_other_and_a_tenants_endpoint_gets_
     for number in range(3):
         await enqueue_event(
             redis, settings, event_type="response.completed",
-            response_id=f"resp_{number}", tenant="acme" if number else "other",
+            object_id=f"resp_{number}", tenant="acme" if number else "other",
         )  # fmt: skip
     started = time.monotonic()
     delivered = await wait_for(
