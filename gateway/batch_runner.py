@@ -32,6 +32,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import structlog
+from redis.asyncio.client import Pipeline
 
 from edgeq.core.cluster import hash_tag
 from edgeq.core.connection import REDIS_ERRORS
@@ -49,6 +50,7 @@ from edgeq.gateway.batch_store import (
 )
 from edgeq.gateway.openai_api import completion_json, error_json
 from edgeq.gateway.settings import GatewaySettings
+from edgeq.gateway.webhooks import queue_event
 from edgeq.producer.client import ChatClient
 from edgeq.producer.queue import Enqueued
 
@@ -100,6 +102,8 @@ class BatchRun:
             async with self.store.redis.pipeline(transaction=True) as pipe:
                 pipe.srem(active_batches_key(self.store.queue), self.batch_id)
                 pipe.delete(*(self.store.part(part, self.batch_id) for part in parts))
+                if fields is not None:  # its webhook event, in case it died before queuing it
+                    self.queue_ended_event(pipe, fields["status"], fields["tenant"])
                 await pipe.execute()
             return
         doc = json.loads(fields["doc"])
@@ -317,6 +321,7 @@ class BatchRun:
         await store.set_status(batch_id, status, since=since)  # type: ignore[arg-type]
         retention_ms = int(self.runner.settings.gateway_file_retention_s * 1000)
         async with redis.pipeline(transaction=True) as pipe:
+            self.queue_ended_event(pipe, status, self.tenant)
             pipe.srem(active_batches_key(store.queue), batch_id)
             pipe.delete(
                 input_key,
@@ -328,6 +333,16 @@ class BatchRun:
             pipe.pexpire(batch_key(store.queue, batch_id), retention_ms)
             await pipe.execute()
         self.log.info("batch_finished", status=status)
+
+
+    def queue_ended_event(self, pipe: Pipeline, status: str, tenant: str) -> None:
+        """``batch.<status>`` for the webhook endpoints that take the tenant's events; queued
+        with the batch's leaving the active set, so a runner that dies before that queues it
+        again when it takes the batch up (the same event: delivered at least once)."""
+        queue_event(
+            pipe, self.runner.settings, event_type=f"batch.{status}", object_id=self.batch_id,
+            tenant=tenant,
+        )  # fmt: skip
 
 
 class BatchRunner:

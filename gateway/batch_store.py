@@ -40,6 +40,7 @@ from edgeq.core.protocol import describe_validation_error, dump_json, job_payloa
 from edgeq.core.scripts import lua_script
 from edgeq.gateway.openai_api import ChatCompletionRequest, UnsupportedField
 from edgeq.gateway.settings import GatewaySettings
+from edgeq.gateway.webhooks import queue_event
 from edgeq.producer.client import build_request
 
 #: The one endpoint a batch line may name (the chat endpoint; every line runs as a chat job).
@@ -446,6 +447,10 @@ class BatchStore:
                 fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
                 pipe.hset(key, mapping=fields)
                 pipe.pexpire(key, int(self.settings.gateway_file_retention_s * 1000))
+                queue_event(
+                    pipe, self.settings, event_type="batch.failed", object_id=batch_id,
+                    tenant=owner,
+                )  # fmt: skip
             else:
                 fields |= {"status": "in_progress", "in_progress_at": int(now)}
                 pipe.hset(key, mapping=fields)

@@ -117,7 +117,7 @@ class ResponseFollower:
             self.client.redis,
             self.settings,
             event_type=f"response.{state.status}",
-            response_id=response_id(job_id),
+            object_id=response_id(job_id),
             tenant=request.get("tenant"),
         )
         if self.sender is not None:

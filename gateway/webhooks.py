@@ -1,8 +1,10 @@
-"""Signed webhooks for ended responses: queued in Redis, delivered at least once.
+"""Signed webhooks for ended responses and batches: queued in Redis, delivered at least once.
 
 Endpoints and their secrets are the operator's (EDGEQ_GATEWAY_WEBHOOKS; a tenant's endpoint
 gets only that tenant's events), never a URL from a request. An event is OpenAI's payload
-(``{"id", "type", "created_at", "data": {"id": <response id>}, "object": "event"}``), signed
+(``{"id", "type", "created_at", "data": {"id": <response or batch id>}, "object": "event"}``:
+``response.completed`` … and ``batch.completed``, ``batch.failed``, ``batch.expired``,
+``batch.cancelled``), signed
 the Standard Webhooks way, as ``openai``'s ``client.webhooks.unwrap()`` verifies it:
 ``webhook-signature: v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">`` keyed with the
 secret (a ``whsec_`` secret base64-decoded).
@@ -31,6 +33,7 @@ from typing import Any
 import httpx
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from edgeq.core.connection import redis_errors
 from edgeq.core.errors import RedisUnavailable
@@ -72,14 +75,42 @@ def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(mac.digest()).decode()
 
 
-def event_json(event_type: str, response_id: str, created_at: int) -> dict[str, Any]:
+def event_json(event_type: str, object_id: str, created_at: int) -> dict[str, Any]:
+    """The event about a response (``resp_…``) or a batch (``batch_…``): one per object, as
+    each ends once, so its id is derived from the object's."""
     return {
-        "id": f"evt_{response_id.removeprefix('resp_')}",
+        "id": f"evt_{object_id.removeprefix('resp_')}",
         "type": event_type,
         "created_at": created_at,
-        "data": {"id": response_id},
+        "data": {"id": object_id},
         "object": "event",
     }
+
+
+def queue_event(
+    pipe: Pipeline,
+    settings: GatewaySettings,
+    *,
+    event_type: str,
+    object_id: str,
+    tenant: str | None,
+) -> int:
+    """Add to ``pipe`` the commands that queue ``event_type`` for every endpoint that takes
+    ``tenant``'s events (so it lands with the change it announces); how many endpoints.
+    Queuing the same event again (a writer that died after queuing it) changes nothing."""
+    now = time.time()
+    event = event_json(event_type, object_id, int(now))
+    body = json.dumps(event, separators=(",", ":"))
+    count = 0
+    for endpoint in settings.gateway_webhooks:
+        if endpoint.tenant is not None and endpoint.tenant != tenant:
+            continue
+        member = f"{endpoint_tag(endpoint)}:{event['id']}"
+        record = {"body": body, "id": event["id"], "first_at": now, "attempts": 0}
+        pipe.hsetnx(bodies_key(settings.queue), member, json.dumps(record))
+        pipe.zadd(due_key(settings.queue), {member: now}, nx=True)
+        count += 1
+    return count
 
 
 async def enqueue_event(
@@ -87,24 +118,14 @@ async def enqueue_event(
     settings: GatewaySettings,
     *,
     event_type: str,
-    response_id: str,
+    object_id: str,
     tenant: str | None,
 ) -> int:
-    """Queue ``event_type`` for every endpoint that takes ``tenant``'s events; how many.
-    Queuing the same event again (a follower that died after queuing it) changes nothing."""
-    now = time.time()
-    event = event_json(event_type, response_id, int(now))
-    body = json.dumps(event, separators=(",", ":"))
-    count = 0
+    """Queue ``event_type`` at once (see ``queue_event``); how many endpoints take it."""
     async with redis.pipeline(transaction=True) as pipe:
-        for endpoint in settings.gateway_webhooks:
-            if endpoint.tenant is not None and endpoint.tenant != tenant:
-                continue
-            member = f"{endpoint_tag(endpoint)}:{event['id']}"
-            record = {"body": body, "id": event["id"], "first_at": now, "attempts": 0}
-            pipe.hsetnx(bodies_key(settings.queue), member, json.dumps(record))
-            pipe.zadd(due_key(settings.queue), {member: now}, nx=True)
-            count += 1
+        count = queue_event(
+            pipe, settings, event_type=event_type, object_id=object_id, tenant=tenant
+        )
         if count:
             await pipe.execute()
     return count

@@ -1,12 +1,15 @@
 """OpenAI's Files and Batches API without an engine: the official SDK against a real gateway
 on a queue no worker serves, so every accepted line waits in the queue until the batch is
-cancelled or expires. What is refused, what each tenant sees, backpressure, cancel, expiry.
+cancelled or expires. What is refused, what each tenant sees, backpressure, cancel, expiry,
+and the webhook events of ended batches.
 (Batches that run on the engine: tests/test_batches.py.)"""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +20,7 @@ import redis as sync_redis
 
 from edgeq.core.keys import active_batches_key
 from edgeq.testing.processes import GatewayProcess, RedisServer
+from helpers import WebhookReceiver
 
 QUEUE = "edgeq:batch-unserved"
 MODEL = "tiny"
@@ -252,3 +256,52 @@ def test_a_batch_past_its_window_expires(
         assert {line["error"]["code"] for line in errors} == {"batch_expired"}
     finally:
         process.stop()
+
+
+def test_an_ended_batch_is_announced_by_a_signed_webhook_to_its_tenants_endpoint(
+    redis_server: RedisServer, tmp_path: Any
+) -> None:
+    """``batch.failed`` (a bad line) and ``batch.cancelled``, once each, signed so that the
+    ``openai`` SDK's ``webhooks.unwrap()`` verifies them, to the endpoint for the batches'
+    tenant and not to another tenant's."""
+    secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+    receiver = WebhookReceiver()
+    webhooks = [
+        {"url": receiver.url("/acme"), "secret": secret, "tenant": "acme"},
+        {"url": receiver.url("/other"), "secret": secret, "tenant": "other"},
+    ]
+    process = start_gateway(
+        redis_server, tmp_path, "hooks", EDGEQ_GATEWAY_WEBHOOKS=json.dumps(webhooks)
+    )
+    try:
+        sdk = openai.OpenAI(
+            base_url=process.base_url, api_key=ACME, max_retries=0, webhook_secret=secret
+        )
+        failed = sdk.batches.create(
+            input_file_id=upload(sdk, jsonl(chat_line("a"), b"not json")),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        assert failed.status == "failed"
+        running = sdk.batches.create(
+            input_file_id=upload(sdk, jsonl(chat_line("b"), chat_line("c"))),
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        sdk.batches.cancel(running.id)
+        wait_for(sdk, running.id, {"cancelled"})
+        deadline = time.monotonic() + 10
+        while len(receiver.delivered("/acme")) < 2:
+            assert time.monotonic() < deadline, f"delivered: {receiver.delivered('/acme')}"
+            time.sleep(0.1)
+        time.sleep(0.5)  # a second delivery of either would arrive by now
+        events = [
+            sdk.webhooks.unwrap(body, headers) for headers, body in receiver.delivered("/acme")
+        ]
+        assert sorted((event.type, event.data.id) for event in events) == sorted(
+            [("batch.failed", failed.id), ("batch.cancelled", running.id)]
+        )
+        assert receiver.delivered("/other") == []
+    finally:
+        process.stop()
+        receiver.close()
