@@ -334,7 +334,6 @@ class BatchRun:
             await pipe.execute()
         self.log.info("batch_finished", status=status)
 
-
     def queue_ended_event(self, pipe: Pipeline, status: str, tenant: str) -> None:
         """``batch.<status>`` for the webhook endpoints that take the tenant's events; queued
         with the batch's leaving the active set, so a runner that dies before that queues it

@@ -4,8 +4,8 @@ Endpoints and their secrets are the operator's (EDGEQ_GATEWAY_WEBHOOKS; a tenant
 gets only that tenant's events), never a URL from a request. An event is OpenAI's payload
 (``{"id", "type", "created_at", "data": {"id": <response or batch id>}, "object": "event"}``:
 ``response.completed`` … and ``batch.completed``, ``batch.failed``, ``batch.expired``,
-``batch.cancelled``), signed
-the Standard Webhooks way, as ``openai``'s ``client.webhooks.unwrap()`` verifies it:
+``batch.cancelled``), signed the Standard Webhooks way, as ``openai``'s
+``client.webhooks.unwrap()`` verifies it:
 ``webhook-signature: v1,<base64 HMAC-SHA256 of "{id}.{timestamp}.{body}">`` keyed with the
 secret (a ``whsec_`` secret base64-decoded).
 
