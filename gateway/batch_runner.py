@@ -37,7 +37,6 @@ from redis.asyncio.client import Pipeline
 from edgeq.core.cluster import hash_tag
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import EdgeqError, JobFailed, JobTimeout, RedisUnavailable
-from edgeq.core.events import finished_with
 from edgeq.core.keys import active_batches_key, batch_key, events_key
 from edgeq.core.protocol import ChatResult, ErrorCode
 from edgeq.core.scripts import lua_script
@@ -185,12 +184,11 @@ class BatchRun:
         """Enqueue the line's job unless it exists (or ended), then wait for its end."""
         client, settings = self.client, self.runner.settings
         while True:
-            # Not started (no events) and not ended: enqueue it; DUPLICATE_ID means it is
-            # queued already (a runner before us enqueued it). Looked at again after each
-            # silence, so a job a Redis restart without AOF lost is enqueued again.
-            if await finished_with(client.redis, job_id) is None and not await client.redis.exists(
-                events_key(job_id)
-            ):
+            # Not started: no events (a job that ended has its terminal event among them).
+            # Enqueue it; DUPLICATE_ID means it is queued already (a runner before us enqueued
+            # it). Looked at again after each silence, so a job a Redis restart without AOF
+            # lost is enqueued again.
+            if not await client.redis.exists(events_key(job_id)):
                 while True:
                     if self.stopping is not None:
                         return JobFailed(
