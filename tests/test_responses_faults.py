@@ -104,23 +104,20 @@ class Box:
     gateway: GatewayProcess
     workers: list[WorkerProcess] = field(default_factory=list)
 
+    def new_worker(self) -> WorkerProcess:
+        return WorkerProcess(self.env, self.logs / f"worker-{time.monotonic_ns()}.log").start()
+
     def serving(self) -> tuple[WorkerProcess, WorkerProcess]:
         """Both workers ready; one a test killed is started again (with its engine)."""
-        for index in range(2):
-            worker = self.workers[index] if index < len(self.workers) else None
-            if worker is not None and worker.process is not None:
-                if worker.process.poll() is None:
-                    continue
+        for index, worker in enumerate(self.workers):
+            if worker.process is None or worker.process.poll() is not None:
                 worker.stop()  # reaps what is left of its engine
-            started = WorkerProcess(self.env, self.logs / f"worker-{time.monotonic_ns()}.log")
-            if worker is None:
-                self.workers.append(started.start())
-            else:
-                self.workers[index] = started.start()
+                self.workers[index] = self.new_worker()
         for worker in self.workers:
             if worker.ready_event is None:
                 worker.wait_ready()
-        return self.workers[0], self.workers[1]
+        first, second = self.workers
+        return first, second
 
     def restart_redis(self) -> None:
         self.redis.stop()
@@ -138,6 +135,7 @@ def box(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     gateway_env |= {"EDGEQ_GATEWAY_BATCH_LEASE_S": "2", "EDGEQ_GATEWAY_BATCH_WINDOW": "6"}
     box = Box(redis_server, env, logs, GatewayProcess(gateway_env, logs / "gateway.log"))
     try:
+        box.workers = [box.new_worker(), box.new_worker()]
         box.serving()
         box.gateway.start()
         yield box
