@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from edgeq.bench.rounds import spread_text
 from edgeq.bench.workload import WorkloadSpec, build_workload, load_tokenizer
 from edgeq.core.adapters import register
 from edgeq.core.connection import make_redis
@@ -98,13 +99,6 @@ async def burst(
         "tok_s": tokens / wall_s,
         "tokens": tokens,
     }
-
-
-def spread(values: Sequence[float], digits: int = 1) -> str:
-    median, low, high = (
-        f"{value:.{digits}f}" for value in (statistics.median(values), min(values), max(values))
-    )
-    return f"{median} [{low}-{high}]"
 
 
 async def wait_served(redis_url: str, queue: str, names: Sequence[str], timeout_s: float) -> None:
@@ -226,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mode in MODES:
         ttft = [r["ttft_p50_ms"] for r in results[mode]]
         tok = [r["tok_s"] for r in results[mode]]
-        print(f"{mode:>9}: TTFT p50 {spread(ttft)} ms   {spread(tok)} tok/s")
+        print(f"{mode:>9}: TTFT p50 {spread_text(ttft)} ms   {spread_text(tok)} tok/s")
     for mode in MODES[1:]:
         ratios = [
             r["tok_s"] / b["tok_s"] for r, b in zip(results[mode], results["base"], strict=True)
@@ -235,7 +229,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             r["ttft_p50_ms"] / b["ttft_p50_ms"]
             for r, b in zip(results[mode], results["base"], strict=True)
         ]
-        print(f"{mode:>9} / base: tok/s x{spread(ratios, 2)}   TTFT p50 x{spread(ttft, 2)}")
+        print(
+            f"{mode:>9} / base: tok/s x{spread_text(ratios, 2)}   "
+            f"TTFT p50 x{spread_text(ttft, 2)}"
+        )
     per_adapter_kib = (rss_on_full - rss_on_empty) * 1024 / max(len(names), 1)
     print(f"engine memory (RSS): LoRA off {rss_off:.1f} MiB, LoRA on with none "
           f"{rss_on_empty:.1f} MiB, with {len(names)} adapters {rss_on_full:.1f} MiB: "

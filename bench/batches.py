@@ -22,8 +22,10 @@ the idle worker (``priority="interactive"``, through the queue); then the same c
 quarter of the batch's lines are done. TTFT is submit to first token; per round the p50 of
 each, and their ratio (target: mid-batch p50 <= 1.5 x idle p50).
 
-Printed: each round, then each figure's median [min-max] over the rounds, and the ratios as
-the median of the per-round ratios. On a CPU-only machine the engine shares the cores with
+Also per edgeq batch: the CPU seconds each of edgeq's processes used (worker, its engine,
+gateway, Redis), and what the last lines' jobs hold in Redis right after it (events, and
+arq's result). Printed: each round, then each figure's median [min-max] over the rounds, and
+the ratios as the median of the per-round ratios. On a CPU-only machine the engine shares the cores with
 Redis, the worker, the gateway and this client: the figures say what the queue costs here,
 not on a GPU box. docs/performance.md states its figures.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -40,16 +43,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+from redis.asyncio import Redis
 
+from edgeq.bench.rounds import spread_text
 from edgeq.bench.workload import WorkloadSpec, build_workload, load_tokenizer
+from edgeq.core.keys import events_key, result_key
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess, stop_process
 from edgeq.testing.tiny_model import make_tiny_model
+from edgeq.worker.engine_processes import engine_pids
 
 QUEUE = "edgeq:bench-batches"
 # The same sizes as tests' workers on a small CPU box: a small KV cache and context.
@@ -64,6 +72,8 @@ CHAT_GAP_S = 0.5
 POLL_S = 0.2
 #: The interactive chats start once this share of the batch's lines is done.
 MID_BATCH_SHARE = 0.25
+#: How many lines' jobs (the last ones) are looked at for what a job holds in Redis.
+LINES_SAMPLED = 50
 
 
 def batch_file(model: str, lines: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
@@ -129,10 +139,46 @@ async def interactive_ttfts(client: ChatClient, chats: Sequence[dict[str, Any]])
     return list(await asyncio.gather(*(one(n * CHAT_GAP_S, chat) for n, chat in enumerate(chats))))
 
 
+def cpu_seconds(processes: Mapping[str, Sequence[psutil.Process]]) -> dict[str, float]:
+    """User + system CPU seconds each group of processes has used so far."""
+    return {
+        name: sum(sum(process.cpu_times()[:2]) for process in group)
+        for name, group in processes.items()
+    }
+
+
+async def line_job_costs(redis: Redis, output: str) -> dict[str, float]:
+    """What the last LINES_SAMPLED completed lines' jobs hold in Redis right after the batch:
+    medians of their events (count, bytes) and of arq's result (bytes; kept 60 s, so the
+    latest lines')."""
+    job_ids = [
+        entry["response"]["request_id"]
+        for entry in map(json.loads, output.splitlines())
+        if (entry.get("response") or {}).get("status_code") == 200
+    ][-LINES_SAMPLED:]
+    events, event_bytes, result_bytes = [], [], []
+    for job_id in job_ids:
+        events.append(await redis.xlen(events_key(job_id)))
+        event_bytes.append(await redis.memory_usage(events_key(job_id)) or 0)
+        if (size := await redis.memory_usage(result_key(job_id))) is not None:
+            result_bytes.append(size)
+    return {
+        "events": statistics.median(events),
+        "event_bytes": statistics.median(event_bytes),
+        "result_bytes": statistics.median(result_bytes) if result_bytes else math.nan,
+    }
+
+
 async def edgeq_batch(
-    base: str, content: bytes, client: ChatClient, chats: Sequence[dict[str, Any]]
+    base: str,
+    content: bytes,
+    client: ChatClient,
+    chats: Sequence[dict[str, Any]],
+    processes: Mapping[str, Sequence[psutil.Process]],
 ) -> dict[str, Any]:
-    """The file through the gateway, the interactive chats sent a quarter of the way in."""
+    """The file through the gateway, the interactive chats sent a quarter of the way in; the
+    CPU seconds of each of edgeq's processes meanwhile, and what the lines' jobs hold in Redis."""
+    cpu_before = cpu_seconds(processes)
     async with httpx.AsyncClient(base_url=base, timeout=60) as http:
         began = time.perf_counter()
         upload = await http.post(
@@ -165,11 +211,14 @@ async def edgeq_batch(
             raise RuntimeError(f"the batch ended {batch['status']}: {batch.get('errors')}")
         output = await http.get(f"/files/{batch['output_file_id']}/content")
         wall_s = time.perf_counter() - began
+    cpu_after = cpu_seconds(processes)
     assert chatting is not None
     ttfts = await chatting
     return {
         "wall_s": wall_s,
         **output_figures(output.text),
+        "cpu_s": {name: cpu_after[name] - cpu_before[name] for name in processes},
+        "line_job": await line_job_costs(client.redis, output.text),
         "failed": counts["failed"],
         "mid_ttfts": ttfts,
         # Lines done when the last chat had its answer: below the total, the chats ran mid-batch.
@@ -230,13 +279,6 @@ async def _run_batch_process(path: Path, out: Path) -> None:
     print(json.dumps({"engine_s": engine_s, "run_s": run_s}), flush=True)
 
 
-def spread(values: Sequence[float], digits: int = 1) -> str:
-    median, low, high = (
-        f"{value:,.{digits}f}" for value in (statistics.median(values), min(values), max(values))
-    )
-    return f"{median} [{low}-{high}]"
-
-
 async def run_rounds(
     args: argparse.Namespace,
     base: str,
@@ -245,19 +287,20 @@ async def run_rounds(
     env: dict[str, str],
     chats: Sequence[dict[str, Any]],
     scratch: Path,
+    processes: Mapping[str, Sequence[psutil.Process]],
 ) -> list[dict[str, Any]]:
     content = paths["input"].read_bytes()
     rounds: list[dict[str, Any]] = []
     async with ChatClient(redis_url=redis_url, queue=QUEUE) as client:
         # First use of the gateway, the runner and the worker's paths: outside the rounds.
-        await edgeq_batch(base, paths["warmup"].read_bytes(), client, chats[:1])
+        await edgeq_batch(base, paths["warmup"].read_bytes(), client, chats[:1], processes)
         for number in range(1, args.rounds + 1):
             figures: dict[str, Any] = {}
             order = ("edgeq", "run-batch") if number % 2 else ("run-batch", "edgeq")
             for mode in order:
                 if mode == "edgeq":
                     figures["idle_ttfts"] = await interactive_ttfts(client, chats)
-                    figures["edgeq"] = await edgeq_batch(base, content, client, chats)
+                    figures["edgeq"] = await edgeq_batch(base, content, client, chats, processes)
                 else:
                     out = scratch / f"run-batch-{number}.jsonl"
                     figures["run-batch"] = await asyncio.to_thread(
@@ -280,42 +323,39 @@ async def run_rounds(
 
 
 def summary(rounds: Sequence[dict[str, Any]]) -> list[str]:
-    def of(pick: Any) -> list[float]:
-        return [pick(r) for r in rounds]
+    def shown(pick: Callable[[dict[str, Any]], float], digits: int = 1) -> str:
+        return spread_text([pick(r) for r in rounds], digits)
 
-    lines = [f"median [min-max] over {len(rounds)} rounds"]
-    lines.append(f"edgeq wall: {spread(of(lambda r: r['edgeq']['wall_s']))} s")
-    lines.append(f"run-batch run (engine warm): {spread(of(lambda r: r['run-batch']['run_s']))} s")
-    lines.append(
-        f"run-batch process (engine start included): "
-        f"{spread(of(lambda r: r['run-batch']['process_s']))} s"
+    def mid_over_idle(r: dict[str, Any]) -> float:
+        return statistics.median(r["edgeq"]["mid_ttfts"]) / statistics.median(r["idle_ttfts"])
+
+    edgeq, runner = "edgeq", "run-batch"
+    cpu = ", ".join(
+        f"{name} {shown(lambda r, name=name: r[edgeq]['cpu_s'][name])}"
+        for name in rounds[0][edgeq]["cpu_s"]
     )
-    lines.append(
-        "output tok/s: edgeq "
-        f"{spread(of(lambda r: r['edgeq']['tokens'] / r['edgeq']['wall_s']), 0)}, run-batch run "
-        f"{spread(of(lambda r: r['run-batch']['tokens'] / r['run-batch']['run_s']), 0)}"
-    )
-    lines.append(
-        "edgeq / run-batch run: x"
-        f"{spread(of(lambda r: r['edgeq']['wall_s'] / r['run-batch']['run_s']), 2)} "
-        "(target <= 1.10); edgeq / run-batch process: x"
-        f"{spread(of(lambda r: r['edgeq']['wall_s'] / r['run-batch']['process_s']), 2)}"
-    )
-    lines.append(
-        "interactive TTFT p50: idle "
-        f"{spread(of(lambda r: statistics.median(r['idle_ttfts'])))} ms, mid-batch "
-        f"{spread(of(lambda r: statistics.median(r['edgeq']['mid_ttfts'])))} ms, mid/idle x"
-        + spread(
-            of(
-                lambda r: (
-                    statistics.median(r["edgeq"]["mid_ttfts"]) / statistics.median(r["idle_ttfts"])
-                )
-            ),
-            2,
-        )
-        + " (target <= 1.5)"
-    )
-    return lines
+    job = {
+        name: shown(lambda r, name=name: r[edgeq]["line_job"][name], 0)
+        for name in ("events", "event_bytes", "result_bytes")
+    }
+    return [
+        f"median [min-max] over {len(rounds)} rounds",
+        f"edgeq wall: {shown(lambda r: r[edgeq]['wall_s'])} s",
+        f"run-batch run (engine warm): {shown(lambda r: r[runner]['run_s'])} s",
+        f"run-batch process (engine start included): {shown(lambda r: r[runner]['process_s'])} s",
+        f"output tok/s: edgeq {shown(lambda r: r[edgeq]['tokens'] / r[edgeq]['wall_s'], 0)}, "
+        f"run-batch run {shown(lambda r: r[runner]['tokens'] / r[runner]['run_s'], 0)}",
+        f"edgeq / run-batch run: x{shown(lambda r: r[edgeq]['wall_s'] / r[runner]['run_s'], 2)} "
+        "(target <= 1.10); edgeq / run-batch process: "
+        f"x{shown(lambda r: r[edgeq]['wall_s'] / r[runner]['process_s'], 2)}",
+        f"interactive TTFT p50: idle {shown(lambda r: statistics.median(r['idle_ttfts']))} ms, "
+        f"mid-batch {shown(lambda r: statistics.median(r[edgeq]['mid_ttfts']))} ms, "
+        f"mid/idle x{shown(mid_over_idle, 2)} (target <= 1.5)",
+        f"edgeq's CPU seconds per batch: {cpu}",
+        f"a line's job in Redis after the batch (the last {LINES_SAMPLED} lines): "
+        f"{job['events']} events, {job['event_bytes']} bytes of events, "
+        f"{job['result_bytes']} bytes of result",
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -359,10 +399,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             worker.start().wait_ready()
             gateway.start()
+            assert worker.process and gateway.process and redis.process
+            gateway_process = psutil.Process(gateway.process.pid)
+            processes = {
+                "worker": [psutil.Process(worker.process.pid)],
+                "engine": [psutil.Process(pid) for pid in engine_pids(worker.process.pid)],
+                "gateway": [gateway_process, *gateway_process.children(recursive=True)],
+                "redis": [psutil.Process(redis.process.pid)],
+            }
             print(f"model {model}; {args.lines} lines, max_tokens {args.max_tokens}; "
                   f"{args.chats} interactive chats; {os.cpu_count()} CPUs", flush=True)  # fmt: skip
             rounds = asyncio.run(
-                run_rounds(args, gateway.base_url, redis.url, paths, env, chats, scratch)
+                run_rounds(args, gateway.base_url, redis.url, paths, env, chats, scratch, processes)
             )
         finally:
             gateway.stop()

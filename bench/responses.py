@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from edgeq.bench.rounds import spread_text
 from edgeq.testing.processes import (
     GatewayProcess,
     RedisServer,
@@ -127,10 +128,6 @@ async def first_chunk_ms(http: httpx.AsyncClient, base: str, model: str, mode: s
     return math.nan if first is None else first
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
-
-
 async def time_to_first_delta(base: str, model: str, rounds: int, chats: int) -> None:
     print(f"1. time to first delta, {chats} of each per round, alternating (ms)")
     medians: dict[str, list[float]] = {"chat": [], "responses": []}
@@ -150,8 +147,8 @@ async def time_to_first_delta(base: str, model: str, rounds: int, chats: int) ->
             )
     differences = [r - c for r, c in zip(medians["responses"], medians["chat"], strict=True)]
     print(
-        f"   streamed chat {spread(medians['chat'])}; background response followed over SSE "
-        f"{spread(medians['responses'])}; difference {spread(differences)}"
+        f"   streamed chat {spread_text(medians['chat'])}; background response followed over SSE "
+        f"{spread_text(medians['responses'])}; difference {spread_text(differences)}"
     )
 
 
@@ -203,7 +200,7 @@ async def gateway_processes(bases: dict[int, str], model: str, rounds: int, stre
     ratios = [two / one for one, two in zip(p50s[1], p50s[2], strict=True)]
     print(
         "   "
-        + "; ".join(f"--workers {n} {spread(values)}" for n, values in p50s.items())
+        + "; ".join(f"--workers {n} {spread_text(values)}" for n, values in p50s.items())
         + f"; --workers 2 / --workers 1: {statistics.median(ratios):.2f}"
     )
 

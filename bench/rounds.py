@@ -62,6 +62,12 @@ class Spread:
         return f"{one(self.median)} [{one(self.low)}-{one(self.high)}]"
 
 
+def spread_text(values: Sequence[float], digits: int = 1) -> str:
+    """``median [min-max]`` of one figure's values over the rounds ("-" for none)."""
+    spread = Spread.of(values)
+    return "-" if spread is None else spread.show(digits=digits)
+
+
 def spreads(rounds: Sequence[Round], mode: str) -> dict[str, Spread | None]:
     return {
         figure.label: Spread.of(
