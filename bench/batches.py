@@ -25,9 +25,9 @@ each, and their ratio (target: mid-batch p50 <= 1.5 x idle p50).
 Also per edgeq batch: the CPU seconds each of edgeq's processes used (worker, its engine,
 gateway, Redis), and what the last lines' jobs hold in Redis right after it (events, and
 arq's result). Printed: each round, then each figure's median [min-max] over the rounds, and
-the ratios as the median of the per-round ratios. On a CPU-only machine the engine shares the cores with
-Redis, the worker, the gateway and this client: the figures say what the queue costs here,
-not on a GPU box. docs/performance.md states its figures.
+the ratios as the median of the per-round ratios. On a CPU-only machine the engine shares the
+cores with Redis, the worker, the gateway and this client: the figures say what the queue
+costs here, not on a GPU box. docs/performance.md states its figures.
 """
 
 from __future__ import annotations
