@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs docs-generate system-deps venv clean
+.PHONY: demo test test-fast test-stress lint docs docs-generate system-deps venv clean
 
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
@@ -20,6 +20,19 @@ test: system-deps $(INSTALLED) lint  ## the whole suite against real Redis, arq 
 # too): about a minute and a half on a 2-core machine. Real Redis, arq, the CLI, settings.
 test-fast: system-deps $(INSTALLED) lint  ## everything but the engine tests, in under two minutes
 	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile -m "not engine"
+
+# Flakes found before CI finds them: the tests that kill, freeze, restart or race something,
+# STRESS_COUNT times each, beside STRESS_CPU busy-loop processes that take the cores the
+# engines and the tests themselves want. A test that passes here does not hope for a fast or a
+# slow machine (docs/development.md, "Tests that race nothing").
+STRESS_FILES ?= tests/test_adapters.py tests/test_responses_faults.py tests/test_batches.py \
+	tests/test_leases.py tests/test_chat_e2e.py tests/chaos/test_guarantees.py
+STRESS_COUNT ?= 2
+STRESS_CPU ?= 2
+
+test-stress: system-deps $(INSTALLED)  ## chosen engine tests, repeated, on a loaded machine
+	$(VENV)/bin/python -m pytest -n $(TEST_PROCESSES) --dist loadfile \
+		--stress-cpu $(STRESS_CPU) --count $(STRESS_COUNT) $(STRESS_FILES)
 
 # The docs site into site/. --strict: a broken link or anchor, or a page left out of the nav,
 # fails it. `make test` builds it too (tests/test_docs_blocks.py), and runs every example.

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +34,37 @@ from helpers import FIGURES, engine_env, ready_worker
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("EDGEQ_TEST_WHEELHOUSE", Path.home() / ".cache/edgeq-test-wheelhouse"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--stress-cpu",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy-loop processes beside the tests for the whole run (make test-stress): "
+        "a test that races the machine's speed fails here before it fails on CI",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Started once, by the process that runs (or hands out) the tests, not by each of xdist's.
+    if config.getoption("--stress-cpu") and not hasattr(config, "workerinput"):
+        config.stash[BUSY_LOOPS] = [
+            subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+            for _ in range(config.getoption("--stress-cpu"))
+        ]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for process in config.stash.get(BUSY_LOOPS, []):
+        process.kill()
+        process.wait()
+
+
+# A core's worth of work at the tests' own priority; it ends by itself once pytest is gone.
+BUSY_LOOP = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+BUSY_LOOPS = pytest.StashKey[list[subprocess.Popen[bytes]]]()
 
 
 @pytest.fixture

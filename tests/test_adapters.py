@@ -20,6 +20,7 @@ from openai import NotFoundError, OpenAI
 
 from edgeq.core.errors import InvalidRequest, JobFailed
 from edgeq.producer.client import ChatClient
+from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
 from helpers import EDGEQ, engine_env, ready_worker
 
@@ -231,7 +232,9 @@ async def test_two_workers_serve_an_adapter_loaded_at_run_time_and_a_continued_j
     the other one with the same adapter."""
     queue = f"{QUEUE}-two"
     env = engine_env(tiny_model, redis_server.url, queue) | {"EDGEQ_LEASE_TTL_S": "3"}
-    with ready_worker(env | {"EDGEQ_ENABLE_LORA": "true"}, tmp_path / "a.log") as first:
+    hold = EngineHold(tmp_path / "hold-first")  # the first worker's engine only
+    first_env = env | hold.env() | {"EDGEQ_ENABLE_LORA": "true"}
+    with ready_worker(first_env, tmp_path / "a.log") as first:
         loaded = edgeq(first, "adapters", "load", "three", str(tiny_adapters["three"]))
         assert loaded.returncode == 0, loaded.stderr
         assert "serving it" in loaded.stdout
@@ -254,6 +257,10 @@ async def test_two_workers_serve_an_adapter_loaded_at_run_time_and_a_continued_j
                         break
                 else:
                     pytest.fail("no seed in 10-39 ran 300 tokens with adapter three")
+                # The first worker's engine stops after the answer's first token, so the job
+                # is mid-answer when its worker dies, however fast this machine runs it (it
+                # once finished all 300 tokens before the SIGKILL landed).
+                hold.arm(after_tokens=1)
                 with paused(second):
                     job = await client.submit(PROMPT, **fields)  # type: ignore[arg-type]
                     stream = job.stream()
