@@ -26,8 +26,9 @@ import pytest
 from redis import Redis as SyncRedis
 
 from edgeq.core.keys import events_key, leases_key
+from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
-from helpers import FULL_LENGTH_SEEDS, engine_env, slowed
+from helpers import FULL_LENGTH_SEEDS, engine_env
 
 pytestmark = pytest.mark.engine
 
@@ -47,11 +48,12 @@ def paused(worker: WorkerProcess) -> Iterator[None]:
         process.resume()
 
 
-def read_until(stream: Any, count: int) -> list[Any]:
+def read_until_delta(stream: Any) -> list[Any]:
+    """The stream's events up to its first text delta."""
     events = []
     for event in stream:
         events.append(event)
-        if len(events) == count:
+        if event.type == "response.output_text.delta":
             break
     return events
 
@@ -96,12 +98,14 @@ def start_stream(sdk: openai.OpenAI, model: str, seed: int) -> Any:
 
 @dataclass
 class Box:
-    """A private Redis with an append-only file, two workers on it and a gateway."""
+    """A private Redis with an append-only file, two workers on it and a gateway; ``hold``
+    holds both workers' engines (``edgeq.testing.engine_hold``)."""
 
     redis: RedisServer
     env: dict[str, str]
     logs: Path
     gateway: GatewayProcess
+    hold: EngineHold
     workers: list[WorkerProcess] = field(default_factory=list)
 
     def new_worker(self) -> WorkerProcess:
@@ -129,17 +133,20 @@ class Box:
 def box(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Box]:
     logs = tmp_path_factory.mktemp("faults")
     redis_server = RedisServer(extra_args=("--appendonly", "yes", "--dir", str(logs))).start()
+    hold = EngineHold(logs / "hold")
     env = engine_env(tiny_model, redis_server.url, QUEUE) | {"EDGEQ_LEASE_TTL_S": "3"}
     gateway_env = {name: env[name] for name in ("EDGEQ_REDIS_URL", "EDGEQ_QUEUE", "EDGEQ_MODEL")}
     # A batch's runner killed by the Redis restart takes it again 2 s later, not 10 s.
     gateway_env |= {"EDGEQ_GATEWAY_BATCH_LEASE_S": "2", "EDGEQ_GATEWAY_BATCH_WINDOW": "6"}
-    box = Box(redis_server, env, logs, GatewayProcess(gateway_env, logs / "gateway.log"))
+    gateway = GatewayProcess(gateway_env, logs / "gateway.log")
+    box = Box(redis_server, env | hold.env(), logs, gateway, hold)
     try:
         box.workers = [box.new_worker(), box.new_worker()]
         box.serving()
         box.gateway.start()
         yield box
     finally:
+        hold.release()
         box.gateway.stop()
         for worker in box.workers:
             worker.stop()
@@ -151,24 +158,25 @@ def test_a_stream_resumes_after_a_worker_sigkill_and_a_redis_restart(box: Box) -
     sdk = openai.OpenAI(base_url=box.gateway.base_url, api_key="unused", max_retries=0)
     model = box.env["EDGEQ_MODEL"]
 
-    # A worker SIGKILLed mid-answer: the other continues the job.
-    with slowed(first, second):
-        with paused(second):  # the first worker takes it
-            seen = read_until(start_stream(sdk, model, FULL_LENGTH_SEEDS[0]), 8)
-        assert seen[-1].type == "response.output_text.delta"
-        first.stop(signal.SIGKILL)
-        final = assert_whole(sdk, resumed(sdk, seen))
+    # A worker SIGKILLed mid-answer: the other continues the job. The engines stop after the
+    # answer's first token until the kill, so it is mid-answer however fast the machine is.
+    box.hold.arm(after_tokens=1)
+    with paused(second):  # the first worker takes it
+        seen = read_until_delta(start_stream(sdk, model, FULL_LENGTH_SEEDS[0]))
+    first.stop(signal.SIGKILL)
+    box.hold.release()
+    final = assert_whole(sdk, resumed(sdk, seen))
     raw = SyncRedis.from_url(box.redis.url).xrevrange(
         events_key(final.id.removeprefix("resp_")), count=1
     )
     assert json.loads(raw[0][1][b"event"])["continued"] == 1
 
     # Redis restarted mid-answer (its append-only file keeps the events).
-    with slowed(second):
-        seen = read_until(start_stream(sdk, model, FULL_LENGTH_SEEDS[1]), 8)
-        assert seen[-1].type == "response.output_text.delta"
-        box.restart_redis()
-        assert_whole(sdk, resumed(sdk, seen))
+    box.hold.arm(after_tokens=1)
+    seen = read_until_delta(start_stream(sdk, model, FULL_LENGTH_SEEDS[1]))
+    box.restart_redis()
+    box.hold.release()
+    assert_whole(sdk, resumed(sdk, seen))
 
 
 def batch_counts(sdk: openai.OpenAI, batch_id: str) -> Any:
@@ -180,6 +188,13 @@ def batch_counts(sdk: openai.OpenAI, batch_id: str) -> Any:
         except (openai.APIError, openai.APIConnectionError):
             assert time.monotonic() < deadline, "the gateway did not answer for 30 s"
             time.sleep(0.5)
+
+
+def wait_for(condition: Any, failure: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
 
 
 def wait_batch(sdk: openai.OpenAI, batch_id: str, done: Any, timeout_s: float) -> Any:
@@ -216,19 +231,23 @@ def test_a_batch_completes_exactly_once_through_a_worker_sigkill_and_a_redis_res
     ]
     content = b"".join(json.dumps(item).encode() + b"\n" for item in lines)
     file = sdk.files.create(file=("input.jsonl", io.BytesIO(content)), purpose="batch")
-    with slowed(first, second):
-        with paused(second):  # the first worker takes the first window of lines
-            batch = sdk.batches.create(
-                input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
-            )
-            wait_batch(sdk, batch.id, lambda b: b.request_counts.completed >= 2, 120)
-            running = SyncRedis.from_url(box.redis.url).zcard(leases_key(QUEUE))
-            assert running > 0, "no line was running on the worker about to be killed"
-            first.stop(signal.SIGKILL)
-        done_before = batch_counts(sdk, batch.id).request_counts.completed
-        wait_batch(sdk, batch.id, lambda b: b.request_counts.completed >= done_before + 2, 120)
-    assert batch_counts(sdk, batch.id).request_counts.completed < len(lines) - 4
+    redis = SyncRedis.from_url(box.redis.url)
+    # The engines stop at each line's first token while the test acts: lines are running, and
+    # stay so, at the kill and at the restart, however fast the machine is.
+    box.hold.arm(after_tokens=1)
+    with paused(second):  # the first worker takes the first window of lines
+        batch = sdk.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(lambda: redis.zcard(leases_key(QUEUE)) > 0, "no line started on the first worker")
+        first.stop(signal.SIGKILL)
+    box.hold.release()
+    wait_batch(sdk, batch.id, lambda b: b.request_counts.completed >= 2, 120)
+    box.hold.arm(after_tokens=1)  # the next step of any running line is held
+    wait_for(lambda: redis.zcard(leases_key(QUEUE)) > 0, "no line running before the restart")
+    assert batch_counts(sdk, batch.id).status == "in_progress"
     box.restart_redis()
+    box.hold.release()
     batch = wait_batch(sdk, batch.id, lambda b: b.status == "completed", 240)
 
     text = sdk.files.content(batch.output_file_id).text
@@ -236,7 +255,7 @@ def test_a_batch_completes_exactly_once_through_a_worker_sigkill_and_a_redis_res
     assert sorted(item["custom_id"] for item in output) == sorted(i["custom_id"] for i in lines)
     assert batch.error_file_id is None and batch.request_counts.failed == 0
     assert batch.request_counts.completed == len(lines)
-    redis = SyncRedis.from_url(box.redis.url)
+    redis = SyncRedis.from_url(box.redis.url)  # a connection of the restarted server
     continued = [
         item["custom_id"]
         for item in output
