@@ -27,6 +27,7 @@ from redis.asyncio import Redis
 
 from edgeq.deploy.bundle import build_edgeq_wheel, download_wheelhouse, extras_for
 from edgeq.producer.client import ChatClient
+from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
 from edgeq.testing.tiny_adapter import make_tiny_adapter
 from edgeq.testing.tiny_model import make_tiny_model
@@ -130,12 +131,30 @@ def queue() -> str:
 
 
 @pytest.fixture(scope="session")
+def session_hold(tmp_path_factory: pytest.TempPathFactory) -> EngineHold:
+    return EngineHold(tmp_path_factory.mktemp("hold") / "hold")
+
+
+@pytest.fixture(scope="session")
 def worker(
-    tiny_model: Path, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path,
+    redis_server: RedisServer,
+    session_hold: EngineHold,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
-    env = engine_env(tiny_model, redis_server.url, "edgeq:test")
+    env = engine_env(tiny_model, redis_server.url, "edgeq:test") | session_hold.env()
     with ready_worker(env, tmp_path_factory.mktemp("worker") / "worker.log") as process:
         yield process
+
+
+@pytest.fixture
+def worker_hold(worker: WorkerProcess, session_hold: EngineHold) -> Iterator[EngineHold]:
+    """The shared worker's engine hold (``edgeq.testing.engine_hold``), released after the
+    test whatever it did, so the next test's engine runs free."""
+    try:
+        yield session_hold
+    finally:
+        session_hold.release()
 
 
 @pytest.fixture

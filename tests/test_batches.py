@@ -23,6 +23,7 @@ from redis import Redis as SyncRedis
 from edgeq.core.keys import events_key, leases_key
 from edgeq.gateway.batch_runner import line_job_id
 from edgeq.producer.client import ChatClient
+from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import GatewayProcess, WorkerProcess, stop_process
 from helpers import EDGEQ, slowed
 
@@ -124,7 +125,7 @@ def test_a_batch_through_the_official_sdk(gateway: str, worker: WorkerProcess) -
 
 
 def test_a_killed_gateways_batch_is_finished_by_another(
-    worker: WorkerProcess, tmp_path: Path
+    worker: WorkerProcess, worker_hold: EngineHold, tmp_path: Path
 ) -> None:
     """SIGKILL the gateway running a batch: a gateway started after it takes the batch over
     when the lease runs out, attaches to the lines already queued or running, and the output
@@ -134,10 +135,13 @@ def test_a_killed_gateways_batch_is_finished_by_another(
     try:
         sdk = openai.OpenAI(base_url=first.base_url, api_key="unused", max_retries=0)
         model = worker.env["EDGEQ_MODEL"]
-        lines = [line(f"k-{n}", model, max_tokens=48) for n in range(24)]
+        # The first three lines end within 8 tokens; the engine stops once a line has 9. So
+        # three lines are done and the rest wait or run when the gateway dies, however fast
+        # this machine is (unheld, a fast run could end all 24 before the kill).
+        lines = [line(f"k-{n}", model, max_tokens=8 if n < 3 else 48) for n in range(24)]
+        worker_hold.arm(after_tokens=9)
         batch_id = create_batch(sdk, lines)
-        started = wait_until(sdk, batch_id, lambda b: b.request_counts.completed >= 3, 120)
-        assert started.request_counts.completed < len(lines)
+        wait_until(sdk, batch_id, lambda b: b.request_counts.completed >= 3, 120)
         assert first.process is not None
         stop_process(first.process, signal.SIGKILL)
     finally:
@@ -145,6 +149,8 @@ def test_a_killed_gateways_batch_is_finished_by_another(
     second = GatewayProcess(env, tmp_path / "second.log").start()
     try:
         sdk = openai.OpenAI(base_url=second.base_url, api_key="unused", max_retries=0)
+        assert sdk.batches.retrieve(batch_id).request_counts.completed < len(lines)
+        worker_hold.release()
         batch = wait_until(sdk, batch_id, lambda batch: batch.status == "completed", 180)
         output = output_of(sdk, batch.output_file_id)
         ids = [item["custom_id"] for item in output]
