@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import time
 
@@ -16,6 +14,7 @@ from redis.asyncio import Redis
 from edgeq.core.events import read_events
 from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent
 from edgeq.producer.client import ChatClient
+from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import WorkerProcess
 from helpers import (
     EDGEQ,
@@ -142,67 +141,48 @@ async def test_a_plain_redis_subscriber_sees_the_documented_json_events(
 
 
 async def test_edgeq_chat_streams_to_stdout_before_the_job_is_done(
-    worker, cli_env: dict[str, str], redis_server
+    cli_env: dict[str, str], redis_server, worker_hold: EngineHold
 ) -> None:
-    """As soon as a plain subscriber sees the job's first delta, the worker is frozen
-    (SIGSTOP): `edgeq chat` must print text while the job provably cannot finish.
-    On a busy machine the job may end before the freeze lands; then it is tried again."""
-    for _attempt in range(3):
-        outcome = await _freeze_worker_mid_chat(worker, cli_env, redis_server)
-        if outcome is not None:
-            break
-    else:
-        pytest.fail("three chats ended before the worker could be frozen mid-stream")
-    first_chunk, rest, events = outcome
-    assert first_chunk
-    assert events[-1]["usage"]["completion_tokens"] == LONG_ANSWER_TOKENS
-    deltas = "".join(event["text"] for event in events if event["type"] == "delta")
-    assert (first_chunk + rest).decode() == deltas + "\n"
-
-
-async def _freeze_worker_mid_chat(
-    worker, cli_env: dict[str, str], redis_server
-) -> tuple[bytes, bytes, list[dict]] | None:
+    """The engine is held once the answer has its first token: `edgeq chat` must print text
+    while the job provably cannot finish. (It used to freeze the worker on the first event a
+    subscriber saw, and tried again when the job had ended before the freeze landed.)"""
     redis = Redis.from_url(redis_server.url)
     watcher = redis.pubsub()
     await watcher.psubscribe("edgeq:stream:*")
     await watcher.get_message(timeout=5)
+    events: list[dict] = []
+
+    async def read_events_until_done() -> None:
+        while not events or events[-1]["type"] != "done":
+            message = await watcher.get_message(ignore_subscribe_messages=True, timeout=1)
+            if message is not None:
+                event = json.loads(message["data"])
+                if not events or event["job_id"] == events[0]["job_id"]:
+                    events.append(event)
+
+    worker_hold.arm(after_tokens=1)
     process = await asyncio.create_subprocess_exec(
         *EDGEQ, "chat", "Write a poem.", "--max-tokens", str(LONG_ANSWER_TOKENS),
         "--seed", str(FULL_LENGTH_SEEDS[2]), env=cli_env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stdout is not None
-    events: list[dict] = []
-
-    async def next_event(wait_s: float) -> dict | None:
-        message = await watcher.get_message(ignore_subscribe_messages=True, timeout=wait_s)
-        if message is None:
-            return None
-        event = json.loads(message["data"])
-        if not events or event["job_id"] == events[0]["job_id"]:
-            events.append(event)
-        return event
-
+    reader = asyncio.create_task(read_events_until_done())
     try:
-        while not events:
-            await next_event(wait_s=60)
-        os.kill(worker.process.pid, signal.SIGSTOP)
-        try:
-            first_chunk = await asyncio.wait_for(process.stdout.read(1), timeout=30)
-            while await next_event(wait_s=0.2):  # whatever was published before the freeze
-                pass
-            frozen_mid_stream = events[-1]["type"] == "delta"
-        finally:
-            os.kill(worker.process.pid, signal.SIGCONT)
+        first_chunk = await asyncio.wait_for(process.stdout.read(1), timeout=60)
+        assert first_chunk
+        assert not any(event["type"] in ("done", "error") for event in events)
+        worker_hold.release()
         rest, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
         assert process.returncode == 0, stderr.decode()
-        while events[-1]["type"] != "done":
-            await next_event(wait_s=10)
+        await asyncio.wait_for(reader, timeout=30)
     finally:
+        reader.cancel()
         await watcher.aclose()
         await redis.aclose()
-    return (first_chunk, rest, events) if frozen_mid_stream else None
+    assert events[-1]["usage"]["completion_tokens"] == LONG_ANSWER_TOKENS
+    deltas = "".join(event["text"] for event in events if event["type"] == "delta")
+    assert (first_chunk + rest).decode() == deltas + "\n"
 
 
 def test_edgeq_chat_json_prints_the_whole_result(cli_env: dict[str, str]) -> None:
