@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs docs-generate system-deps venv clean
+.PHONY: demo test test-fast lint docs docs-serve docs-generate system-deps venv clean
 
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
@@ -25,6 +25,12 @@ test-fast: system-deps $(INSTALLED) lint  ## everything but the engine tests, in
 # fails it. `make test` builds it too (tests/test_docs_blocks.py), and runs every example.
 docs: $(INSTALLED)  ## build the docs site (mkdocs.yml, docs/) into site/
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The same site, served from docs/ and rebuilt on every save. Not on 8000: that is the
+# gateway's default port, so a box under test and its docs can run side by side.
+DOCS_ADDR ?= 127.0.0.1:8001
+docs-serve: $(INSTALLED)  ## serve the docs site on http://$(DOCS_ADDR)/ while you edit
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict --dev-addr $(DOCS_ADDR)
 
 # The references generated from the code: settings, command line, JSON Schemas (also shipped
 # in the package). A test fails while a committed one differs from what this makes.
