@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint docs docs-serve docs-generate system-deps venv clean
+.PHONY: demo test test-fast lint docs docs-serve docs-generate wheel system-deps venv clean
 
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
@@ -37,6 +37,13 @@ docs-serve: $(INSTALLED)  ## serve the docs site on http://$(DOCS_ADDR)/ while y
 docs-generate: $(INSTALLED)  ## rewrite docs/reference/ and src/edgeq/core/schemas/ from the code
 	$(VENV)/bin/python -m edgeq.testing.docs
 
+# The client wheel (edgeq without extras: no torch, no vLLM) for services to install, built
+# from a clean copy of the checkout with PYTHON's pip. Needs no virtualenv: a service's
+# machine can build it from a fresh clone (docs/python-client.md, "Install").
+DIST ?= dist
+wheel:  ## build the edgeq wheel into dist/ (pip install dist/edgeq-*.whl, extras [gateway])
+	$(PYTHON) deploy/wheel.py $(DIST)
+
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 
@@ -50,4 +57,4 @@ $(INSTALLED): pyproject.toml scripts/setup-venv.sh
 	touch $@
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info site
+	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info site build $(DIST)

@@ -35,7 +35,6 @@ import sysconfig
 import tarfile
 import tempfile
 import time
-import tomllib
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 import edgeq
+from edgeq.deploy.wheel import WheelError, build_wheel
 
 #: deploy/ (install.sh, redis-edgeq.conf, edgeq.sysusers, edgeq.env.example) and systemd/.
 ASSETS = resources.files("edgeq.deploy")
@@ -126,40 +126,11 @@ def source_checkout() -> Path | None:
 
 
 def build_edgeq_wheel(dest: Path, *, source: Path, version_suffix: str = "") -> Path:
-    """Build the edgeq wheel from a clean copy of the source tree (so nothing is written into
-    it), with ``+<suffix>`` appended to the version when asked (a local version label)."""
-    pyproject = (source / "pyproject.toml").read_text()
-    folders = sorted(set(tomllib.loads(pyproject)["tool"]["setuptools"]["package-dir"].values()))
-    with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
-        copy = Path(tmp) / "src"
-        copy.mkdir()
-        if version_suffix:
-            if not re.fullmatch(r"[A-Za-z0-9.]+", version_suffix):
-                raise BundleError("--version-suffix may hold only letters, digits and dots")
-            pyproject, count = re.subn(
-                r'(?m)^version = "([^"+]+)"',
-                lambda match: f'version = "{match.group(1)}+{version_suffix}"',
-                pyproject,
-            )
-            if count != 1:
-                raise BundleError("could not find the version line in pyproject.toml")
-        (copy / "pyproject.toml").write_text(pyproject)
-        shutil.copy2(source / "README.md", copy / "README.md")
-        for folder in folders:
-            shutil.copytree(
-                source / folder,
-                copy / folder,
-                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-            )
-        dest.mkdir(parents=True, exist_ok=True)
-        _run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp, str(copy)],
-            "building the edgeq wheel",
-        )
-        (wheel,) = Path(tmp).glob("edgeq-*.whl")
-        target = dest / wheel.name
-        shutil.move(wheel, target)
-    return target
+    """The edgeq wheel of ``source`` in ``dest`` (edgeq.deploy.wheel, what ``make wheel`` runs)."""
+    try:
+        return build_wheel(dest, source=source, version_suffix=version_suffix)
+    except WheelError as error:
+        raise BundleError(str(error)) from error
 
 
 def _wheel_name(path: Path) -> tuple[str, str]:
