@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,9 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert result.returncode == 0, f"{block.id}:\n{result.stdout}\n{result.stderr}"
     (wheel,) = (root / "dist").glob("edgeq-*.whl")
     assert wheel.name in block.code, f"{block.id} names another file than {wheel.name}"
+    with zipfile.ZipFile(wheel) as archive:  # pyproject's license-files
+        license_text = archive.read(f"{wheel.name.split('-py3')[0]}.dist-info/licenses/LICENSE")
+    assert license_text == (REPO / "LICENSE").read_bytes()
     return root
 
 
@@ -189,3 +193,18 @@ def test_a_documented_install_command_works_in_a_fresh_venv(
             [str(venv / "bin/edgeq"), "gateway", "--help"], env=env, check=True,
             capture_output=True, timeout=60,
         )  # fmt: skip
+
+
+def test_license_changelog_and_security_policy_are_there() -> None:
+    """pyproject declares Apache-2.0: the text ships beside it and in the wheel (license-files;
+    the clone fixture above checks the built wheel), with a changelog and a security policy."""
+    import tomllib
+
+    license_text = (REPO / "LICENSE").read_text()
+    assert license_text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    assert "## [Unreleased]" in (REPO / "CHANGELOG.md").read_text()
+    assert "docs/security.md" in (REPO / "SECURITY.md").read_text()
