@@ -7,7 +7,9 @@ with ``--edgeq-wheel``, or downloaded like every other wheel::
 
     edgeq-<version>-<variant>/
         install.sh              deploy/install.sh: run on the box (README, "Install on a GPU box")
-        manifest.json           version, variant, Python, platform, model, sha256 of every file
+        manifest.json           version, variant, Python, platform, model, sha256 of every file,
+                                and what the box needs: CUDA runtime and minimum NVIDIA driver,
+                                disk (box_needs.py; install.sh checks them first)
         edgeq.env               the settings template (.env.example) with EDGEQ_MODEL set to
                                 the installed model path
         README.md
@@ -45,6 +47,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 import edgeq
+from edgeq.deploy.box_needs import BundleNeedsError, cuda_needs, disk_needs
 from edgeq.deploy.wheel import WheelError, build_wheel
 
 #: deploy/ (install.sh, redis-edgeq.conf, edgeq.sysusers, edgeq.env.example) and systemd/.
@@ -550,6 +553,19 @@ def build_bundle(
             model_source = {"source": "huggingface", "id": model_id, "revision": revision}
         model_size = dir_size(model_dest)
         progress(f"  {len(model_files(model_dest))} files, {human(model_size)}, {SUMS} written")
+        try:
+            cuda = cuda_needs(wheel.name for wheel in wheel_sums)
+        except BundleNeedsError as error:
+            raise BundleError(str(error)) from None
+        if variant == "gpu" and cuda is None:
+            raise BundleError(
+                "found no CUDA runtime among the GPU wheelhouse's wheels (torch's +cuXXX, or "
+                "nvidia_cuda_runtime): the installer could not check the box's driver"
+            )
+        disk = disk_needs(wheel_sums, model_size)
+        if cuda is not None:
+            progress(f"  CUDA {cuda.runtime} (from {cuda.read_from}): NVIDIA driver "
+                     f">= {cuda.min_driver} on the box")  # fmt: skip
 
         progress("[3/4] units, installer, settings, manifest")
         for unit in sorted(UNITS.iterdir(), key=lambda unit: unit.name):
@@ -585,6 +601,9 @@ def build_bundle(
                 "install_path": f"{INSTALL_ROOT_MODELS}/{name}",
                 **model_source,
             },
+            # What install.sh checks the box against before it installs anything.
+            "cuda": None if cuda is None else cuda.model_dump(),
+            "disk": disk.model_dump(),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "files": files,
         }
