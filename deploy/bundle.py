@@ -46,7 +46,6 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-import edgeq
 from edgeq.deploy.box_needs import BundleNeedsError, cuda_needs, disk_needs
 from edgeq.deploy.wheel import WheelError, build_wheel
 
@@ -299,7 +298,7 @@ def fetch_edgeq_wheel(
     progress: Progress = _stderr,
 ) -> Path:
     """The edgeq wheel for the bundle: ``edgeq_wheel`` when given, else built from the source
-    checkout, else this installed version downloaded from the package index."""
+    checkout; an installed edgeq without either is refused (it is on no package index)."""
     dest.mkdir(parents=True, exist_ok=True)
     if edgeq_wheel is not None:
         if _wheel_name(edgeq_wheel)[0] != "edgeq" or edgeq_wheel.suffix != ".whl":
@@ -317,19 +316,13 @@ def fetch_edgeq_wheel(
         target = build_edgeq_wheel(dest, source=source, version_suffix=version_suffix)
         progress(f"  built {target.name} from {source}")
         return target
-    if version_suffix:
-        raise BundleError(
-            "--version-suffix rebuilds edgeq from a source checkout, and this edgeq is an "
-            "installed wheel: give --edgeq-wheel or run from a checkout"
-        )
-    _run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-         "-d", str(dest), f"edgeq=={edgeq.__version__}"],
-        f"downloading edgeq {edgeq.__version__} (no source checkout; or give --edgeq-wheel)",
-    )  # fmt: skip
-    (target,) = dest.glob("edgeq-*.whl")
-    progress(f"  downloaded {target.name}")
-    return target
+    # Never `pip download edgeq`: edgeq is on no package index, so that name finds nothing,
+    # or someone else's package once the name is taken.
+    raise BundleError(
+        "this edgeq is an installed wheel, not a source checkout, and edgeq is on no package "
+        "index: give the wheel to bundle with --edgeq-wheel FILE (make wheel writes it into "
+        "a checkout's dist/), or run edgeq bundle from a checkout"
+    )
 
 
 def build_wheelhouse(

@@ -30,8 +30,10 @@ from edgeq.deploy.box_needs import (
     cuda_runtime,
     disk_needs,
 )
+from edgeq.deploy.bundle import BundleError, fetch_edgeq_wheel
 
 REPO = Path(__file__).resolve().parents[1]
+INSTALL_PAGE = REPO / "docs/install.md"
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 GPU_CUDA = {"runtime": "13.0", "min_driver": "580", "read_from": "torch-2.13.0+cu130-x.whl"}
 
@@ -108,6 +110,7 @@ def test_an_old_driver_is_refused_in_one_line_and_nothing_is_installed(
     assert "CUDA 13.0 needs driver 580 or newer" in line  # what it needs
     assert "update the driver to 580 or newer" in line  # what to do
     assert installed(root) == []
+    assert line.strip() in INSTALL_PAGE.read_text(), "docs/install.md quotes another line"
 
 
 def test_a_new_enough_driver_passes_the_checks(tmp_path: Path) -> None:
@@ -118,6 +121,8 @@ def test_a_new_enough_driver_passes_the_checks(tmp_path: Path) -> None:
     assert "NVIDIA driver 580.65.06 >= 580 (CUDA 13.0)" in result.stdout
     assert "nothing installed (--check)" in result.stdout
     assert installed(root) == []
+    quoted = result.stdout.strip().replace(f"Python {PYTHON}", "Python 3.11")
+    assert quoted in INSTALL_PAGE.read_text(), "docs/install.md quotes another line"
 
 
 def test_driver_versions_compare_as_numbers_not_text(tmp_path: Path) -> None:
@@ -195,3 +200,11 @@ def test_the_disk_estimate_is_the_unpacked_wheels_with_room_for_bytecode(tmp_pat
     needs = disk_needs([wheel], model_bytes=5)
     assert needs.release_bytes == 100_000 + 90_000 + VENV_BASE_BYTES
     assert needs.model_bytes == 5
+
+
+def test_an_installed_edgeq_never_downloads_edgeq_by_name(tmp_path: Path) -> None:
+    """edgeq is on no package index: `pip download edgeq` would find nothing, or someone
+    else's package once the name is taken. Without a checkout, the builder wants the wheel."""
+    with pytest.raises(BundleError, match="--edgeq-wheel FILE"):
+        fetch_edgeq_wheel(tmp_path, source=None)
+    assert list(tmp_path.iterdir()) == []
