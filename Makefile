@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-stress lint docs docs-generate system-deps venv clean
+.PHONY: demo test test-fast test-stress lint docs docs-serve docs-generate wheel system-deps venv clean
 
 demo: system-deps $(INSTALLED)  ## set up everything, start Redis and a worker, stream one chat
 	$(VENV)/bin/python scripts/demo.py
@@ -39,10 +39,23 @@ test-stress: system-deps $(INSTALLED)  ## chosen engine tests, repeated, on a lo
 docs: $(INSTALLED)  ## build the docs site (mkdocs.yml, docs/) into site/
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
+# The same site, served from docs/ and rebuilt on every save. Not on 8000: that is the
+# gateway's default port, so a box under test and its docs can run side by side.
+DOCS_ADDR ?= 127.0.0.1:8001
+docs-serve: $(INSTALLED)  ## serve the docs site on http://$(DOCS_ADDR)/ while you edit
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --strict --dev-addr $(DOCS_ADDR)
+
 # The references generated from the code: settings, command line, JSON Schemas (also shipped
 # in the package). A test fails while a committed one differs from what this makes.
 docs-generate: $(INSTALLED)  ## rewrite docs/reference/ and src/edgeq/core/schemas/ from the code
 	$(VENV)/bin/python -m edgeq.testing.docs
+
+# The client wheel (edgeq without extras: no torch, no vLLM) for services to install, built
+# from a clean copy of the checkout with PYTHON's pip. Needs no virtualenv: a service's
+# machine can build it from a fresh clone (docs/python-client.md, "Install").
+DIST ?= dist
+wheel:  ## build the edgeq wheel into dist/ (pip install dist/edgeq-*.whl, extras [gateway])
+	$(PYTHON) deploy/wheel.py $(DIST)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
@@ -57,4 +70,4 @@ $(INSTALLED): pyproject.toml scripts/setup-venv.sh
 	touch $@
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info site
+	rm -rf $(VENV) .demo .pytest_cache .ruff_cache edgeq.egg-info site build $(DIST)

@@ -7,7 +7,9 @@ with ``--edgeq-wheel``, or downloaded like every other wheel::
 
     edgeq-<version>-<variant>/
         install.sh              deploy/install.sh: run on the box (README, "Install on a GPU box")
-        manifest.json           version, variant, Python, platform, model, sha256 of every file
+        manifest.json           version, variant, Python, platform, model, sha256 of every file,
+                                and what the box needs: CUDA runtime and minimum NVIDIA driver,
+                                disk (box_needs.py; install.sh checks them first)
         edgeq.env               the settings template (.env.example) with EDGEQ_MODEL set to
                                 the installed model path
         README.md
@@ -35,7 +37,6 @@ import sysconfig
 import tarfile
 import tempfile
 import time
-import tomllib
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-import edgeq
+from edgeq.deploy.box_needs import BundleNeedsError, cuda_needs, disk_needs
+from edgeq.deploy.wheel import WheelError, build_wheel
 
 #: deploy/ (install.sh, redis-edgeq.conf, edgeq.sysusers, edgeq.env.example) and systemd/.
 ASSETS = resources.files("edgeq.deploy")
@@ -126,40 +128,11 @@ def source_checkout() -> Path | None:
 
 
 def build_edgeq_wheel(dest: Path, *, source: Path, version_suffix: str = "") -> Path:
-    """Build the edgeq wheel from a clean copy of the source tree (so nothing is written into
-    it), with ``+<suffix>`` appended to the version when asked (a local version label)."""
-    pyproject = (source / "pyproject.toml").read_text()
-    folders = sorted(set(tomllib.loads(pyproject)["tool"]["setuptools"]["package-dir"].values()))
-    with tempfile.TemporaryDirectory(prefix="edgeq-wheel-") as tmp:
-        copy = Path(tmp) / "src"
-        copy.mkdir()
-        if version_suffix:
-            if not re.fullmatch(r"[A-Za-z0-9.]+", version_suffix):
-                raise BundleError("--version-suffix may hold only letters, digits and dots")
-            pyproject, count = re.subn(
-                r'(?m)^version = "([^"+]+)"',
-                lambda match: f'version = "{match.group(1)}+{version_suffix}"',
-                pyproject,
-            )
-            if count != 1:
-                raise BundleError("could not find the version line in pyproject.toml")
-        (copy / "pyproject.toml").write_text(pyproject)
-        shutil.copy2(source / "README.md", copy / "README.md")
-        for folder in folders:
-            shutil.copytree(
-                source / folder,
-                copy / folder,
-                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
-            )
-        dest.mkdir(parents=True, exist_ok=True)
-        _run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp, str(copy)],
-            "building the edgeq wheel",
-        )
-        (wheel,) = Path(tmp).glob("edgeq-*.whl")
-        target = dest / wheel.name
-        shutil.move(wheel, target)
-    return target
+    """The edgeq wheel of ``source`` in ``dest`` (edgeq.deploy.wheel, what ``make wheel`` runs)."""
+    try:
+        return build_wheel(dest, source=source, version_suffix=version_suffix)
+    except WheelError as error:
+        raise BundleError(str(error)) from error
 
 
 def _wheel_name(path: Path) -> tuple[str, str]:
@@ -325,7 +298,7 @@ def fetch_edgeq_wheel(
     progress: Progress = _stderr,
 ) -> Path:
     """The edgeq wheel for the bundle: ``edgeq_wheel`` when given, else built from the source
-    checkout, else this installed version downloaded from the package index."""
+    checkout; an installed edgeq without either is refused (it is on no package index)."""
     dest.mkdir(parents=True, exist_ok=True)
     if edgeq_wheel is not None:
         if _wheel_name(edgeq_wheel)[0] != "edgeq" or edgeq_wheel.suffix != ".whl":
@@ -343,19 +316,13 @@ def fetch_edgeq_wheel(
         target = build_edgeq_wheel(dest, source=source, version_suffix=version_suffix)
         progress(f"  built {target.name} from {source}")
         return target
-    if version_suffix:
-        raise BundleError(
-            "--version-suffix rebuilds edgeq from a source checkout, and this edgeq is an "
-            "installed wheel: give --edgeq-wheel or run from a checkout"
-        )
-    _run(
-        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-         "-d", str(dest), f"edgeq=={edgeq.__version__}"],
-        f"downloading edgeq {edgeq.__version__} (no source checkout; or give --edgeq-wheel)",
-    )  # fmt: skip
-    (target,) = dest.glob("edgeq-*.whl")
-    progress(f"  downloaded {target.name}")
-    return target
+    # Never `pip download edgeq`: edgeq is on no package index, so that name finds nothing,
+    # or someone else's package once the name is taken.
+    raise BundleError(
+        "this edgeq is an installed wheel, not a source checkout, and edgeq is on no package "
+        "index: give the wheel to bundle with --edgeq-wheel FILE (make wheel writes it into "
+        "a checkout's dist/), or run edgeq bundle from a checkout"
+    )
 
 
 def build_wheelhouse(
@@ -579,6 +546,19 @@ def build_bundle(
             model_source = {"source": "huggingface", "id": model_id, "revision": revision}
         model_size = dir_size(model_dest)
         progress(f"  {len(model_files(model_dest))} files, {human(model_size)}, {SUMS} written")
+        try:
+            cuda = cuda_needs(wheel.name for wheel in wheel_sums)
+        except BundleNeedsError as error:
+            raise BundleError(str(error)) from None
+        if variant == "gpu" and cuda is None:
+            raise BundleError(
+                "found no CUDA runtime among the GPU wheelhouse's wheels (torch's +cuXXX, or "
+                "nvidia_cuda_runtime): the installer could not check the box's driver"
+            )
+        disk = disk_needs(wheel_sums, model_size)
+        if cuda is not None:
+            progress(f"  CUDA {cuda.runtime} (from {cuda.read_from}): NVIDIA driver "
+                     f">= {cuda.min_driver} on the box")  # fmt: skip
 
         progress("[3/4] units, installer, settings, manifest")
         for unit in sorted(UNITS.iterdir(), key=lambda unit: unit.name):
@@ -614,6 +594,9 @@ def build_bundle(
                 "install_path": f"{INSTALL_ROOT_MODELS}/{name}",
                 **model_source,
             },
+            # What install.sh checks the box against before it installs anything.
+            "cuda": None if cuda is None else cuda.model_dump(),
+            "disk": disk.model_dump(),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "files": files,
         }

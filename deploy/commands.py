@@ -41,7 +41,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     bundle.add_argument(
         "--edgeq-wheel",
         type=Path,
-        help="bundle this edgeq wheel (default: built from the checkout, or downloaded)",
+        help="bundle this edgeq wheel (default: built from the checkout; needed without one)",
     )
     bundle.add_argument("--keep-dir", action="store_true", help="also keep the unpacked bundle")
     bundle.set_defaults(handler=run_bundle_command)

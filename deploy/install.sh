@@ -9,6 +9,12 @@
 #   sudo ./install.sh --uninstall      remove edgeq, keep /etc/edgeq and /var/lib/edgeq
 #   sudo ./install.sh --uninstall --purge        ... and those too, and the user
 #   ./install.sh --root DIR --no-systemd         stage into DIR (image builds, tests)
+#   ./install.sh --check               only check this box against the bundle, install nothing
+#
+# Before it installs anything, it checks the box against the bundle's manifest.json: Python's
+# version, and for a GPU bundle nvidia-smi and the NVIDIA driver its CUDA runtime needs, and
+# free disk for the release and the model. A box that does not fit is refused with one line
+# (what it has, what it needs, what to do) and exit status 78; nothing is installed.
 #
 # Layout: /opt/edgeq/releases/<version> (a venv each), /opt/edgeq/current -> the live one,
 # /opt/edgeq/previous -> the one before (rollback); /etc/edgeq/edgeq.env (the operator's: never
@@ -39,7 +45,8 @@ while [ $# -gt 0 ]; do
         --rollback) ACTION=rollback ;;
         --with-gateway) GATEWAY=1 ;;
         --without-gateway) GATEWAY=0 ;;
-        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+        --check) ACTION=check ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -65,6 +72,9 @@ CHANGED=0
 say() { echo "edgeq install: $*"; }
 changed() { CHANGED=$((CHANGED + 1)); echo "  + $*"; }
 die() { echo "edgeq install: $*" >&2; exit 1; }
+# sysexits' EX_CONFIG, as edgeq's own commands use it: this box does not fit this bundle.
+EXIT_BOX_MISMATCH=78
+refuse() { echo "edgeq install: refused: $*" >&2; exit "$EXIT_BOX_MISMATCH"; }
 
 # Point LINK at TARGET (enable a unit) unless it already does; say so with MESSAGE.
 enable_link() {
@@ -171,19 +181,94 @@ fi
 
 # --- install / upgrade -------------------------------------------------------------------------
 [ -f "$HERE/manifest.json" ] || die "run this from an unpacked edgeq bundle (no manifest.json in $HERE)"
-command -v "$PYTHON" >/dev/null || die "$PYTHON is missing: install Python first (or set EDGEQ_PYTHON)"
-manifest() {  # manifest KEY[.KEY]: one field of manifest.json
-    "$PYTHON" -c 'import functools, json, sys
-print(functools.reduce(dict.__getitem__, sys.argv[2].split("."), json.load(open(sys.argv[1]))))' \
-        "$HERE/manifest.json" "$1"
+WANT_PY=$(sed -n 's/^ *"python": "\([0-9.]*\)",*$/\1/p' "$HERE/manifest.json" | head -n 1)
+command -v "$PYTHON" >/dev/null \
+    || refuse "$PYTHON is not on this box; this bundle needs Python ${WANT_PY:-3}: install python$WANT_PY (with its venv module), or name one with EDGEQ_PYTHON"
+manifest() {  # manifest KEY[.KEY]: one field of manifest.json; empty when absent or null
+    "$PYTHON" -c 'import json, sys
+value = json.load(open(sys.argv[1]))
+for key in sys.argv[2].split("."):
+    value = value.get(key) if isinstance(value, dict) else None
+print("" if value is None else value)' "$HERE/manifest.json" "$1"
 }
 VERSION=$(manifest edgeq_version)
 VARIANT=$(manifest variant)
-WANT_PY=$(manifest python)
 MODEL=$(manifest model.name)
-HAVE_PY=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-[ "$HAVE_PY" = "$WANT_PY" ] || die "this bundle is for Python $WANT_PY; $PYTHON is $HAVE_PY (set EDGEQ_PYTHON)"
 BUNDLE_ID=$(sha256sum "$HERE/manifest.json" | cut -d' ' -f1)
+RELEASE=$OPT/releases/$VERSION
+MODEL_DIR=$STATE/models/$MODEL
+
+# --- the box against the bundle, before anything is installed ---------------------------------
+version_at_least() {  # version_at_least HAVE WANT: dotted versions, numerically
+    [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n 1)" = "$2" ]
+}
+nearest_dir() {  # the directory itself, or its nearest ancestor that exists
+    local dir=$1
+    while [ ! -d "$dir" ]; do dir=$(dirname "$dir"); done
+    echo "$dir"
+}
+gb() { awk -v b="$1" 'BEGIN { printf "%.1f GB", b / 1e9 }'; }
+
+check_python() {
+    local have
+    have=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    [ "$have" = "$WANT_PY" ] \
+        || refuse "this box's $PYTHON is Python $have; this bundle is for Python $WANT_PY: install python$WANT_PY and set EDGEQ_PYTHON=python$WANT_PY, or build the bundle with Python $have"
+}
+
+check_driver() {  # a bundle whose manifest names a CUDA runtime: nvidia-smi, and its driver
+    local min runtime have
+    min=$(manifest cuda.min_driver)
+    [ -n "$min" ] || return 0
+    runtime=$(manifest cuda.runtime)
+    command -v nvidia-smi >/dev/null \
+        || refuse "no nvidia-smi on this box; this bundle's CUDA $runtime needs an NVIDIA GPU with driver $min or newer: install the NVIDIA driver ($min or newer), or build a CPU bundle (edgeq bundle --variant cpu)"
+    have=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -n 1) || true
+    have=$(echo "$have" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')
+    [[ "$have" =~ ^[0-9]+(\.[0-9]+)*$ ]] \
+        || refuse "nvidia-smi gives no driver version (it says: ${have:-nothing}); this bundle's CUDA $runtime needs NVIDIA driver $min or newer: check that the driver is loaded (nvidia-smi must list the GPUs)"
+    version_at_least "$have" "$min" \
+        || refuse "this box's NVIDIA driver is $have; this bundle's CUDA $runtime needs driver $min or newer: update the driver to $min or newer, or build the bundle with a torch for an older CUDA (docs/install.md)"
+    DRIVER_SEEN="NVIDIA driver $have >= $min (CUDA $runtime)"
+}
+
+check_disk() {  # free space where the release and the model land (the same disk: their sum)
+    local release_bytes model_bytes release_at model_at what="the release"
+    release_bytes=$(manifest disk.release_bytes)
+    model_bytes=$(manifest disk.model_bytes)
+    [ -n "$release_bytes" ] || return 0
+    # What is already there from this very bundle is not written again.
+    if [ "$(cat "$RELEASE/.edgeq-bundle" 2>/dev/null || true)" = "$BUNDLE_ID" ]; then
+        release_bytes=0
+    fi
+    if cmp -s "$HERE/models/$MODEL/SHA256SUMS" "$MODEL_DIR/SHA256SUMS"; then model_bytes=0; fi
+    release_at=$(nearest_dir "$RELEASE")
+    model_at=$(nearest_dir "$MODEL_DIR")
+    if [ "$(stat -c %d "$release_at")" = "$(stat -c %d "$model_at")" ]; then
+        release_bytes=$((release_bytes + model_bytes))
+        model_bytes=0
+        what="the release and its model"
+    fi
+    need_free "$release_at" "$release_bytes" "$what"
+    need_free "$model_at" "$model_bytes" "the model"
+}
+
+need_free() {  # need_free DIR BYTES WHAT
+    local free
+    [ "$2" -gt 0 ] || return 0
+    free=$(( $(df -Pk "$1" | awk 'NR == 2 { print $4 }') * 1024 ))
+    [ "$free" -ge "$2" ] \
+        || refuse "$1 has $(gb "$free") free; $3 of edgeq $VERSION needs $(gb "$2") there: free some space on that disk, or install onto another one"
+}
+
+DRIVER_SEEN=""
+check_python
+check_driver
+check_disk
+if [ "$ACTION" = check ]; then
+    say "this box fits edgeq $VERSION ($VARIANT): Python $WANT_PY${DRIVER_SEEN:+, $DRIVER_SEEN}, disk enough; nothing installed (--check)"
+    exit 0
+fi
 say "edgeq $VERSION ($VARIANT), model $MODEL, into ${ROOT:-/}"
 
 # 1. The model must match its sums before anything is touched.
@@ -214,7 +299,6 @@ if [ -z "$ROOT" ]; then
 fi
 
 # 3. The release: a venv with exactly the bundle's wheels (hash-checked by pip).
-RELEASE=$OPT/releases/$VERSION
 if [ "$(cat "$RELEASE/.edgeq-bundle" 2>/dev/null || true)" != "$BUNDLE_ID" ]; then
     say "installing release $VERSION (a venv from the wheelhouse)"
     rm -rf "$RELEASE"
@@ -237,7 +321,6 @@ if [ "$(cat "$RELEASE/.edgeq-bundle" 2>/dev/null || true)" != "$BUNDLE_ID" ]; th
 fi
 
 # 4. The model, verified again where it lands.
-MODEL_DIR=$STATE/models/$MODEL
 if ! cmp -s "$HERE/models/$MODEL/SHA256SUMS" "$MODEL_DIR/SHA256SUMS" \
     || ! (cd "$MODEL_DIR" && sha256sum -c --quiet SHA256SUMS >/dev/null 2>&1); then
     mkdir -p "$STATE/models"

@@ -5,6 +5,24 @@ set -euo pipefail
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
+# edgeq needs Python 3.11 or newer (pyproject's requires-python). Said here in one line,
+# before anything is installed: on an older Python pip fails deep in its resolver instead.
+[ -x "$VENV/bin/python" ] && python_used="$VENV/bin/python" || python_used=$PYTHON
+if ! version=$("$python_used" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null); then
+    echo "edgeq: cannot run $python_used: install Python 3.11 or newer (Debian/Ubuntu: apt install python3 python3-venv), or name one with PYTHON=python3.11" >&2
+    exit 1
+fi
+IFS=. read -r major minor _ <<<"$version"
+if (( major < 3 || (major == 3 && minor < 11) )); then
+    if [ "$python_used" = "$PYTHON" ]; then
+        fix="install Python 3.11 or newer and name it: make PYTHON=python3.11"
+    else
+        fix="remove $VENV, then run make again with PYTHON=python3.11 (or newer)"
+    fi
+    echo "edgeq: needs Python 3.11 or newer; $python_used is $version: $fix" >&2
+    exit 1
+fi
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 

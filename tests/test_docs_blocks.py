@@ -120,6 +120,70 @@ def test_every_block_is_tagged_every_marker_well_formed_every_json_block_parses(
     assert problems == []
 
 
+# --- links -------------------------------------------------------------------------------------
+
+#: Pages a reader opens where they are (a code host, a checkout), besides docs/**/*.md.
+TOP_PAGES = ("README.md", "CHANGELOG.md", "SECURITY.md")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def prose(text: str) -> str:
+    """A page without its fenced blocks and inline code: where its links are."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced:
+            kept.append(_INLINE_CODE.sub("", line))
+    return "\n".join(kept)
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of a page's Markdown links that are paths (no scheme, no bare anchor)."""
+    targets = [match[1] for match in _LINK.finditer(prose(text))]
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t) and t[0] != "#"]
+
+
+def test_relative_links_are_found_outside_code() -> None:
+    page = (
+        "[a](docs/a.md) [b](b.md#part \"title\") [c](https://x.org/) [d](#here)\n"
+        "[e](mailto:x@y.org) `[f](not/a/link.md)`\n```md\n[g](in/a/block.md)\n```\n"
+    )
+    assert relative_links(page) == ["docs/a.md", "b.md#part"]
+
+
+def test_every_relative_link_in_readme_and_docs_names_a_file_that_exists() -> None:
+    """README and the top-level pages are read on a code host or in a checkout, not in the
+    site: a link there is a path to a file of the repository (issue #44)."""
+    pages = [path for _, path in doc_pages(REPO)]
+    pages += [REPO / name for name in TOP_PAGES if (REPO / name).is_file()]
+    broken = [
+        f"{path.relative_to(REPO)}: {target}"
+        for path in pages
+        for target in relative_links(path.read_text())
+        if not (path.parent / target.split("#")[0]).exists()
+    ]
+    assert broken == []
+
+
+def test_no_link_to_an_unpublished_site() -> None:
+    """No copy of the docs is published: an address of one (the unclaimed Read the Docs
+    name README used to link) is a dead page, or anyone's page once the name is taken."""
+    texts = [path for _, path in doc_pages(REPO)]
+    texts += [REPO / name for name in (*TOP_PAGES, "mkdocs.yml", "pyproject.toml")]
+    found = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in texts
+        if path.is_file()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "readthedocs" in line
+    ]
+    assert found == []
+    assert not re.search(r"(?m)^site_url:", (REPO / "mkdocs.yml").read_text())
+
+
 # --- generated references ------------------------------------------------------------------------
 
 
