@@ -53,6 +53,8 @@ ENDPOINT = "/v1/chat/completions"
 COMPLETION_WINDOW = "24h"
 #: How many bad lines a failed batch's ``errors`` lists (the rest are counted in the last one).
 MAX_ERRORS_LISTED = 100
+#: The longest message one listed bad line gets (the rest is cut).
+MAX_ERROR_CHARS = 300
 UPLOAD_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
@@ -198,6 +200,10 @@ class BatchLine(BaseModel):
 
 
 def _problem(line: int, code: str, message: str, param: str | None = None) -> BatchErrorItem:
+    # A message may quote what the line sent (a url, a value): cut, so a failed batch's record,
+    # kept for the retention and counted against no cap, stays small whatever the lines hold.
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 1] + "…"
     return BatchErrorItem(code=code, message=f"line {line}: {message}", param=param, line=line)
 
 

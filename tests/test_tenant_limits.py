@@ -292,3 +292,17 @@ def test_batches_of_several_tenants_never_get_another_tenants_chat_refused(
         assert connection.scard(batch_lines_key(queue)) == 0
     finally:
         connection.close()
+
+
+def test_a_failed_batch_quotes_no_more_than_a_short_message_of_each_bad_line(
+    start: Callable[..., GatewayProcess],
+) -> None:
+    """A failed batch's record is kept for the retention and counted against no cap: the
+    lines' own values it quotes are cut, so 100 bad lines of 20 KB each keep it small."""
+    client = sdk(start("failed-records", EDGEQ_GATEWAY_FILE_MAX_BYTES="4000000"))
+    bad = [{**chat_line(f"l{n}"), "url": "/v1/" + "x" * 20_000} for n in range(100)]
+    batch = create_batch(client, upload(client, jsonl(*bad)))
+    assert batch.status == "failed" and batch.errors is not None
+    assert len(batch.errors.data) == 100
+    assert all(len(error.message or "") <= 320 for error in batch.errors.data)
+    assert all("line " in (error.message or "") for error in batch.errors.data)
