@@ -161,6 +161,9 @@ class BatchRun:
                     next_line += 1
                 if not tasks and next_line >= self.total:
                     return await self.finish("completed")
+                if not tasks:  # other batches hold the whole budget: look again later
+                    await asyncio.sleep(POLL_S)
+                    continue
                 done, _ = await asyncio.wait(
                     tasks.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
                 )

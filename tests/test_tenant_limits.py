@@ -290,6 +290,8 @@ def test_batches_of_several_tenants_never_get_another_tenants_chat_refused(
                 lambda c=client, b=batch_id: c.batches.retrieve(b).status == "cancelled", "cancel"
             )
         assert connection.scard(batch_lines_key(queue)) == 0
+        # The batches that got no line while the others held the budget waited, unharmed.
+        assert "batch_runner_failed" not in gateway.log_path.read_text()
     finally:
         connection.close()
 
