@@ -6,6 +6,7 @@ background response refused (their lines are admitted against a budget of their 
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
@@ -20,8 +21,10 @@ from typing import Any
 import openai
 import pytest
 import redis as sync_redis
+from redis.asyncio import Redis
 
-from edgeq.core.keys import batch_lines_key
+from edgeq.core.keys import batch_lines_key, queued_by_tenant_key
+from edgeq.core.scheduling import Tenancy, publish_tenancy
 from edgeq.testing.processes import GatewayProcess, RedisServer
 
 MODEL = "tiny"
@@ -308,3 +311,33 @@ def test_a_failed_batch_quotes_no_more_than_a_short_message_of_each_bad_line(
     assert len(batch.errors.data) == 100
     assert all(len(error.message or "") <= 320 for error in batch.errors.data)
     assert all("line " in (error.message or "") for error in batch.errors.data)
+
+
+def test_a_tenants_own_batch_never_gets_its_chats_refused_by_its_queued_cap(
+    start: Callable[..., GatewayProcess], redis_server: RedisServer
+) -> None:
+    """EDGEQ_TENANT_MAX_QUEUED (2 here, as a worker publishes it): the tenant's batch lines
+    fill it, and its background responses are still admitted, until they fill it themselves."""
+    gateway = start("own-cap", EDGEQ_GATEWAY_BATCH_WINDOW="4")
+    queue = gateway.env["EDGEQ_QUEUE"]
+
+    async def publish() -> None:
+        async with Redis.from_url(redis_server.url) as redis:
+            await publish_tenancy(redis, queue, Tenancy(max_queued={"acme": 2}))
+
+    asyncio.run(publish())
+    connection = sync_redis.Redis.from_url(redis_server.url)
+    client = sdk(gateway)
+    try:
+        batch = create_batch(client, upload(client, jsonl(*(chat_line(f"l{n}") for n in range(8)))))
+        by_tenant = queued_by_tenant_key(queue)
+        wait_until(lambda: connection.hget(by_tenant, "acme") == b"2", "no line queued")
+        accepted = [client.responses.create(model=MODEL, input="hi", background=True)
+                    for _ in range(2)]  # fmt: skip
+        assert {response.status for response in accepted} == {"queued"}
+        with pytest.raises(openai.RateLimitError, match="EDGEQ_TENANT_MAX_QUEUED"):
+            client.responses.create(model=MODEL, input="hi", background=True)
+        client.batches.cancel(batch.id)
+        wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", "cancel")
+    finally:
+        connection.close()

@@ -37,8 +37,14 @@ local rules = per_batch('tenant:' .. KEYS[7] .. ':' .. tenant, function()
     'default_weight', 'aging_ms')
 end)
 local cap = tonumber(rules[1] or '0')
-if cap > 0 and tonumber(redis.call('HGET', KEYS[5], tenant) or '0') >= cap then
-  return {-2, cap}
+if cap > 0 then
+  local queued = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
+  -- Nor does the tenant's own batch work get its chats refused: an interactive or default
+  -- job counts the tenant's jobs queued in those classes only (a batch job, all of them).
+  if band < 2 then
+    queued = queued - tonumber(redis.call('HGET', KEYS[3], 'queued:2:' .. tenant) or '0')
+  end
+  if queued >= cap then return {-2, cap} end
 end
 local start = join_flow(KEYS[3], band, tenant, weight_from(rules[2], rules[3]))
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
