@@ -211,6 +211,11 @@ async def edgeq_batch(
             raise RuntimeError(f"the batch ended {batch['status']}: {batch.get('errors')}")
         output = await http.get(f"/files/{batch['output_file_id']}/content")
         wall_s = time.perf_counter() - began
+        # Each round's files count against the tenant's caps (EDGEQ_GATEWAY_FILES_PER_TENANT):
+        # deleted, so any number of rounds runs.
+        for file_id in (upload.json()["id"], batch["output_file_id"], batch["error_file_id"]):
+            if file_id is not None:
+                (await http.delete(f"/files/{file_id}")).raise_for_status()
     cpu_after = cpu_seconds(processes)
     assert chatting is not None
     ttfts = await chatting

@@ -5,6 +5,7 @@
     edgeq batch results BATCH_ID [--errors] [-o out.jsonl]
     edgeq batch cancel BATCH_ID
     edgeq batch list
+    edgeq batch usage                              # each tenant's use against its caps
 
 It uses the same Python API as the gateway's /v1/files and /v1/batches (batch_store.py), so a
 batch submitted here shows in the gateway and the other way round. ``--wait`` runs a
@@ -35,7 +36,13 @@ from edgeq.exit_codes import (
     EXIT_USAGE,
 )
 from edgeq.gateway.batch_runner import BatchRunner
-from edgeq.gateway.batch_store import FINAL_STATUSES, BatchApiError, BatchObject, BatchStore
+from edgeq.gateway.batch_store import (
+    FINAL_STATUSES,
+    BatchApiError,
+    BatchObject,
+    BatchStore,
+    TenantUsage,
+)
 from edgeq.gateway.settings import GatewaySettings
 from edgeq.producer.client import ChatClient
 
@@ -77,6 +84,23 @@ def _summary(batch: BatchObject) -> str:
     for error in (batch.errors.data if batch.errors else [])[:20]:
         parts.append(f"  {error.message}")
     return "\n".join(parts)
+
+
+def usage_table(usages: list[TenantUsage], settings: GatewaySettings) -> str:
+    """Each tenant's use of Redis against its caps, one line each."""
+    files, size = settings.gateway_files_per_tenant, settings.gateway_bytes_per_tenant
+    batches = settings.gateway_batches_per_tenant
+    lines = [f"{'tenant':<24} {'files':>10} {'bytes':>24} {'batches':>8}"]
+    for usage in usages:
+        lines.append(
+            f"{usage.tenant:<24} {f'{usage.files}/{files}':>10} "
+            f"{f'{usage.bytes:,}/{size:,}':>24} {f'{usage.active_batches}/{batches}':>8}"
+        )
+    lines.append(
+        "caps: EDGEQ_GATEWAY_FILES_PER_TENANT, EDGEQ_GATEWAY_BYTES_PER_TENANT (files and "
+        "running batches' lines), EDGEQ_GATEWAY_BATCHES_PER_TENANT (in progress)"
+    )
+    return "\n".join(lines)
 
 
 async def _wait(
@@ -146,6 +170,10 @@ async def _batch(args: argparse.Namespace) -> int:
                 # running it, a runner here does.
                 batch = await _wait(store, client, settings, tenant, args.batch_id, quiet=True)
                 print(_summary(batch))
+                return EXIT_OK
+            if args.action == "usage":
+                tenants = [args.tenant] if args.tenant else await store.tenants()
+                print(usage_table([await store.usage(name) for name in tenants], settings))
                 return EXIT_OK
             if args.action == "list":
                 batches, _ = await store.list_batches(tenant, limit=args.limit)
@@ -222,5 +250,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     results.add_argument("batch_id")
     results.add_argument("--errors", action="store_true", help="the error file instead")
     results.add_argument("-o", "--output", type=Path, help="write to this file, not stdout")
+    action(
+        "usage",
+        "each tenant's files, bytes and batches in progress against its caps (--tenant: one)",
+    )
     listing = action("list", "list the tenant's batches, newest first")
     listing.add_argument("--limit", type=int, default=20)

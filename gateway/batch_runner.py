@@ -16,9 +16,12 @@ Restart-safe and exactly-once in the output:
   in-flight set, and the counts are the sizes of those hashes: a line recorded twice is
   recorded once.
 
-Backpressure: at most EDGEQ_GATEWAY_BATCH_WINDOW lines of a batch are queued or running at
-once, so a 50,000-line batch never fills EDGEQ_MAX_QUEUE; its lines wait in Redis as a list.
-A full queue (EDGEQ_MAX_QUEUE, the tenant's cap) is waited out, never a line's failure.
+Backpressure: at most EDGEQ_GATEWAY_BATCH_WINDOW lines of a batch, and at most
+EDGEQ_GATEWAY_BATCH_QUEUED_MAX lines of all batches together, are queued or running at once
+(the queue's batch lines, core/keys.py batch_lines_key); the rest wait in Redis as a list.
+Interactive and default jobs are admitted without counting those lines (lua/enqueue.lua), so
+batches never get a chat refused. A full queue (EDGEQ_MAX_QUEUE, the tenant's cap) is waited
+out, never a line's failure.
 """
 
 from __future__ import annotations
@@ -37,7 +40,13 @@ from redis.asyncio.client import Pipeline
 from edgeq.core.cluster import hash_tag
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import EdgeqError, JobFailed, JobTimeout, RedisUnavailable
-from edgeq.core.keys import active_batches_key, batch_key, events_key
+from edgeq.core.keys import (
+    active_batches_key,
+    batch_key,
+    batch_lines_key,
+    events_key,
+    tenant_active_batches_key,
+)
 from edgeq.core.protocol import ChatResult, ErrorCode
 from edgeq.core.scripts import lua_script
 from edgeq.gateway.batch_store import (
@@ -67,6 +76,13 @@ MAX_ATTEMPTS = 3
 LINE_STATUS = {"invalid_request": 400, "prompt_too_long": 400, "cancelled": 499}
 
 _LEASE = lua_script("batch_lease")
+# KEYS and ARGV: lua/take_batch_line.lua.
+_TAKE_LINE = lua_script("take_batch_line")
+
+
+def line_member(batch_id: str, line: int) -> str:
+    """A line's entry in the queue's batch lines (core/keys.py batch_lines_key)."""
+    return f"{batch_id}:{line}"
 
 
 def line_job_id(queue: str, batch_id: str, line: int, attempt: int) -> str:
@@ -97,12 +113,17 @@ class BatchRun:
     async def run(self) -> None:
         fields = await self.store.raw_batch(self.batch_id)
         if fields is None or fields["status"] in FINAL_STATUSES:  # a runner died finishing it
+            await self.runner.release_lines(self.batch_id)
             parts = ("input", "inflight", "out", "err", "attempts")
             async with self.store.redis.pipeline(transaction=True) as pipe:
                 pipe.srem(active_batches_key(self.store.queue), self.batch_id)
                 pipe.delete(*(self.store.part(part, self.batch_id) for part in parts))
                 if fields is not None:  # its webhook event, in case it died before queuing it
                     self.queue_ended_event(pipe, fields["status"], fields["tenant"])
+                    pipe.srem(
+                        tenant_active_batches_key(self.store.queue, fields["tenant"]),
+                        self.batch_id,
+                    )
                 await pipe.execute()
             return
         doc = json.loads(fields["doc"])
@@ -112,8 +133,13 @@ class BatchRun:
         inflight_key = store.part("inflight", self.batch_id)
         next_line = int(fields.get("next_line", 0))
         tasks: dict[int, asyncio.Task[None]] = {}
-        for raw in await store.redis.smembers(inflight_key):  # a runner before us left these
-            tasks[int(raw)] = asyncio.create_task(self.run_line(int(raw)))
+        resumed = [int(raw) for raw in await store.redis.smembers(inflight_key)]
+        if resumed:  # a runner before us left these: in the batches' budget still (or again)
+            await store.redis.sadd(
+                batch_lines_key(store.queue), *(line_member(self.batch_id, n) for n in resumed)
+            )
+        for line in resumed:
+            tasks[line] = asyncio.create_task(self.run_line(line))
         self.log.info("batch_running", lines=self.total, next_line=next_line, resumed=len(tasks))
         try:
             while True:
@@ -126,15 +152,18 @@ class BatchRun:
                     return await self.stop(tasks, "expired")
                 while len(tasks) < window and next_line < self.total:
                     # In flight before enqueued: a runner taking over finds every line whose
-                    # job may exist (and attaches to it: its id is fixed).
-                    async with store.redis.pipeline(transaction=True) as pipe:
-                        pipe.sadd(inflight_key, next_line)
-                        pipe.hset(batch_key(store.queue, self.batch_id), "next_line", next_line + 1)
-                        await pipe.execute()
+                    # job may exist (and attaches to it: its id is fixed). Taken from the
+                    # batches' common budget too (EDGEQ_GATEWAY_BATCH_QUEUED_MAX): none left,
+                    # the line waits for one of any batch to end.
+                    if not await self.runner.take_line(self.batch_id, next_line):
+                        break
                     tasks[next_line] = asyncio.create_task(self.run_line(next_line))
                     next_line += 1
                 if not tasks and next_line >= self.total:
                     return await self.finish("completed")
+                if not tasks:  # other batches hold the whole budget: look again later
+                    await asyncio.sleep(POLL_S)
+                    continue
                 done, _ = await asyncio.wait(
                     tasks.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -178,11 +207,14 @@ class BatchRun:
                     continue
                 break
             await self.record(line, item, job_id, outcome)
-        await redis.srem(store.part("inflight", self.batch_id), line)
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.srem(store.part("inflight", self.batch_id), line)
+            pipe.srem(batch_lines_key(store.queue), line_member(self.batch_id, line))
+            await pipe.execute()
 
     async def job_outcome(self, job_id: str, item: BatchLine) -> ChatResult | JobFailed:
         """Enqueue the line's job unless it exists (or ended), then wait for its end."""
-        client, settings = self.client, self.runner.settings
+        client = self.client
         while True:
             # Not started: no events (a job that ended has its terminal event among them).
             # Enqueue it; DUPLICATE_ID means it is queued already (a runner before us enqueued
@@ -201,7 +233,9 @@ class BatchRun:
                         item.request,
                         # A line not started when the batch's window ends never starts.
                         deadline_s=max(1.0, self.expires_at - time.time()),
-                        max_depth=settings.max_queue,
+                        # Bounded by the batches' own budget instead (take_line), and left
+                        # out of EDGEQ_MAX_QUEUE, which is the other classes' (enqueue.lua).
+                        max_depth=0,
                         tenant=self.tenant,
                         priority="batch",
                     )
@@ -318,9 +352,11 @@ class BatchRun:
         await redis.hset(batch_key(store.queue, batch_id), mapping=record_fields)
         await store.set_status(batch_id, status, since=since)  # type: ignore[arg-type]
         retention_ms = int(self.runner.settings.gateway_file_retention_s * 1000)
+        await self.runner.release_lines(batch_id)
         async with redis.pipeline(transaction=True) as pipe:
             self.queue_ended_event(pipe, status, self.tenant)
             pipe.srem(active_batches_key(store.queue), batch_id)
+            pipe.srem(tenant_active_batches_key(store.queue, self.tenant), batch_id)
             pipe.delete(
                 input_key,
                 out_key,
@@ -351,6 +387,7 @@ class BatchRunner:
         self.store = BatchStore(client.redis, settings)
         self.token = uuid.uuid4().hex
         self._lease = client.redis.register_script(_LEASE)
+        self._take_line = client.redis.register_script(_TAKE_LINE)
         self._running: dict[str, asyncio.Task[None]] = {}
 
     async def hold(self, batch_id: str) -> bool:
@@ -358,6 +395,44 @@ class BatchRunner:
         ttl_ms = int(self.settings.gateway_batch_lease_s * 1000)
         key = self.store.part("lease", batch_id)
         return bool(await self._lease(keys=[key], args=[self.token, ttl_ms]))
+
+    async def take_line(self, batch_id: str, line: int) -> bool:
+        """Put the batch's line in flight, if the batches' common budget has room for it."""
+        store = self.store
+        return bool(
+            await self._take_line(
+                keys=[
+                    batch_lines_key(store.queue),
+                    store.part("inflight", batch_id),
+                    batch_key(store.queue, batch_id),
+                ],
+                args=[self.settings.gateway_batch_queued_max, line_member(batch_id, line), line],
+            )
+        )
+
+    async def release_lines(self, batch_id: str) -> None:
+        """Give back whatever the batch still holds of the batches' common budget."""
+        key = batch_lines_key(self.store.queue)
+        held = [
+            raw async for raw in self.client.redis.sscan_iter(key, match=f"{batch_id}:*")
+        ]  # fmt: skip
+        if held:
+            await self.client.redis.srem(key, *held)
+
+    async def release_orphan_lines(self) -> None:
+        """Lines of batches that are no longer active (their runner died and the batch
+        ended, or expired out of Redis) give their place in the budget back."""
+        redis, queue = self.client.redis, self.store.queue
+        members = [raw.decode() for raw in await redis.smembers(batch_lines_key(queue))]
+        batch_ids = sorted({member.rpartition(":")[0] for member in members})
+        if not batch_ids:
+            return
+        active = await redis.smismember(active_batches_key(queue), batch_ids)
+        gone = {batch_id for batch_id, is_active in zip(batch_ids, active, strict=True)
+                if not is_active}  # fmt: skip
+        orphans = [member for member in members if member.rpartition(":")[0] in gone]
+        if orphans:
+            await redis.srem(batch_lines_key(queue), *orphans)
 
     async def run_batch(self, batch_id: str) -> None:
         """Run one batch while holding its lease; LeaseLost if another runner took it."""
@@ -378,6 +453,7 @@ class BatchRunner:
 
     async def poll_once(self, only: str | None = None) -> None:
         """Take every unfinished batch nobody runs (or only ``only``)."""
+        await self.release_orphan_lines()
         for raw in await self.client.redis.smembers(active_batches_key(self.store.queue)):
             batch_id = raw.decode()
             if only not in (None, batch_id) or batch_id in self._running:

@@ -22,7 +22,9 @@ import hashlib
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from enum import IntEnum
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 from redis.asyncio import Redis
@@ -31,10 +33,13 @@ from edgeq.core.errors import EdgeqError
 from edgeq.core.keys import (
     active_batches_key,
     batch_key,
+    batch_key_prefix,
     batch_part_key,
     batches_key,
     file_key,
+    file_key_prefix,
     files_key,
+    tenant_active_batches_key,
 )
 from edgeq.core.protocol import describe_validation_error, dump_json, job_payload
 from edgeq.core.scripts import lua_script
@@ -48,6 +53,8 @@ ENDPOINT = "/v1/chat/completions"
 COMPLETION_WINDOW = "24h"
 #: How many bad lines a failed batch's ``errors`` lists (the rest are counted in the last one).
 MAX_ERRORS_LISTED = 100
+#: The longest message one listed bad line gets (the rest is cut).
+MAX_ERROR_CHARS = 300
 UPLOAD_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 FINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
@@ -63,6 +70,33 @@ BatchStatus = Literal[
 ]
 
 _STATUS = lua_script("batch_status")
+# KEYS and ARGV: lua/store_file.lua, lua/start_batch.lua, lua/usage.lua.
+_STORE_FILE = lua_script("tenant_usage", "store_file")
+_START_BATCH = lua_script("tenant_usage", "start_batch")
+_USAGE = lua_script("tenant_usage", "usage")
+
+
+class CapReached(IntEnum):
+    """Which of a tenant's caps a script refused at (lua/store_file.lua, start_batch.lua)."""
+
+    FILES = -1
+    BYTES = -2
+    BATCHES = -3
+
+
+class TenantUsage(BaseModel):
+    """What one tenant keeps in Redis against its caps (``edgeq batch usage``)."""
+
+    tenant: str
+    files: int
+    file_bytes: int
+    active_batches: int
+    batch_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        """What EDGEQ_GATEWAY_BYTES_PER_TENANT counts."""
+        return self.file_bytes + self.batch_bytes
 
 
 class BatchApiError(EdgeqError):
@@ -73,6 +107,30 @@ class BatchApiError(EdgeqError):
         self.status = status
         self.code = code
         self.param = param
+
+
+Order = Literal["asc", "desc"]
+
+
+class ListLimit(NamedTuple):
+    """The bounds of a list's ``limit`` (OpenAI's), and its default."""
+
+    low: int
+    high: int
+    default: int
+
+    def check(self, limit: int) -> None:
+        if not self.low <= limit <= self.high:
+            raise BatchApiError(
+                400,
+                f"limit: must be between {self.low} and {self.high} (got {limit})",
+                code="invalid_limit",
+                param="limit",
+            )
+
+
+FILES_LIMIT = ListLimit(1, 10_000, 10_000)
+BATCHES_LIMIT = ListLimit(1, 100, 20)
 
 
 def not_found(kind: str, object_id: str) -> BatchApiError:
@@ -142,6 +200,10 @@ class BatchLine(BaseModel):
 
 
 def _problem(line: int, code: str, message: str, param: str | None = None) -> BatchErrorItem:
+    # A message may quote what the line sent (a url, a value): cut, so a failed batch's record,
+    # kept for the retention and counted against no cap, stays small whatever the lines hold.
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 1] + "…"
     return BatchErrorItem(code=code, message=f"line {line}: {message}", param=param, line=line)
 
 
@@ -239,6 +301,11 @@ def count_lines(content: bytes) -> int:
     return sum(1 for raw in content.split(b"\n") if raw.strip())
 
 
+def _glob_escaped(text: str) -> str:
+    """``text`` matched literally in a SCAN pattern (a queue's name may hold ``{`` or ``*``)."""
+    return "".join(f"\\{char}" if char in "*?[]\\" else char for char in text)
+
+
 def line_request_id(batch_id: str, line: int) -> str:
     return "batch_req_" + hashlib.sha256(f"{batch_id}:{line}".encode()).hexdigest()[:32]
 
@@ -255,6 +322,9 @@ class BatchStore:
         self.settings = settings
         self.queue = settings.queue
         self._status = redis.register_script(_STATUS)
+        self._store_file = redis.register_script(_STORE_FILE)
+        self._start_batch = redis.register_script(_START_BATCH)
+        self._usage = redis.register_script(_USAGE)
 
     def tenant_of(self, tenant: str | None) -> str:
         return tenant or self.settings.tenant
@@ -304,18 +374,12 @@ class BatchStore:
                     code="too_many_lines",
                     param="file",
                 )
-            uploads = [f for f in await self.list_files(owner) if f.purpose == UPLOAD_PURPOSE]
-            if len(uploads) >= settings.gateway_files_per_tenant:
-                raise BatchApiError(
-                    400,
-                    f"tenant {owner!r} already keeps {len(uploads)} files, "
-                    f"the most allowed (EDGEQ_GATEWAY_FILES_PER_TENANT); delete "
-                    f"one first",
-                    code="too_many_files",
-                )
             file_id = f"file-{uuid.uuid4().hex}"
+            max_files = settings.gateway_files_per_tenant
+            max_bytes = settings.gateway_bytes_per_tenant
+        else:
+            max_files = max_bytes = 0  # a batch's output: always written, and counted
         now = int(time.time())
-        retention_ms = int(settings.gateway_file_retention_s * 1000)
         record = FileObject(
             id=file_id,
             bytes=len(content),
@@ -324,16 +388,59 @@ class BatchStore:
             filename=filename,
             purpose=purpose,
         )
-        key = file_key(self.queue, file_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                key,
-                mapping={"record": record.model_dump_json(), "tenant": owner, "content": content},
-            )
-            pipe.pexpire(key, retention_ms)
-            pipe.zadd(files_key(self.queue, owner), {file_id: now})
-            await pipe.execute()
+        # Checked and taken in one step: concurrent uploads, from any number of gateway
+        # processes, never keep more than the caps.
+        outcome, *kept = await self._store_file(
+            keys=[
+                files_key(self.queue, owner),
+                tenant_active_batches_key(self.queue, owner),
+                file_key(self.queue, file_id),
+            ],
+            args=[
+                file_key_prefix(self.queue),
+                batch_key_prefix(self.queue),
+                file_id,
+                now,
+                record.model_dump_json(),
+                owner,
+                content,
+                int(settings.gateway_file_retention_s * 1000),
+                max_files,
+                max_bytes,
+            ],
+        )
+        if outcome != 1:
+            raise self.over_cap(owner, int(outcome), int(kept[0]), len(content))
         return record
+
+    def over_cap(self, owner: str, outcome: int, kept: int, adding: int) -> BatchApiError:
+        """A cap's refusal (a store_file or start_batch script's answer), naming its setting."""
+        settings = self.settings
+        if outcome == CapReached.FILES:
+            return BatchApiError(
+                400,
+                f"tenant {owner!r} already keeps {kept} files (uploads and batch output), "
+                f"the most allowed (EDGEQ_GATEWAY_FILES_PER_TENANT="
+                f"{settings.gateway_files_per_tenant}); "
+                f"delete one first",
+                code="too_many_files",
+            )
+        if outcome == CapReached.BYTES:
+            return BatchApiError(
+                400,
+                f"tenant {owner!r} already keeps {kept} bytes in files and running batches; "
+                f"{adding} more would pass the "
+                f"{settings.gateway_bytes_per_tenant} allowed (EDGEQ_GATEWAY_BYTES_PER_TENANT); "
+                f"delete a file first",
+                code="storage_limit_reached",
+            )
+        return BatchApiError(
+            400,
+            f"tenant {owner!r} already has {kept} batches in progress, the most allowed "
+            f"(EDGEQ_GATEWAY_BATCHES_PER_TENANT={settings.gateway_batches_per_tenant}); wait "
+            f"for one to end or cancel one",
+            code="too_many_batches",
+        )
 
     async def _file_fields(self, tenant: str | None, file_id: str, *fields: str) -> list[Any]:
         owner, *values = await self.redis.hmget(file_key(self.queue, file_id), "tenant", *fields)
@@ -356,19 +463,79 @@ class BatchStore:
             pipe.zrem(files_key(self.queue, self.tenant_of(tenant)), file_id)
             await pipe.execute()
 
-    async def list_files(self, tenant: str | None, purpose: str | None = None) -> list[FileObject]:
-        """The tenant's files, newest first (expired ones dropped from its index here)."""
-        index = files_key(self.queue, self.tenant_of(tenant))
-        ids = [raw.decode() for raw in await self.redis.zrevrange(index, 0, -1)]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for file_id in ids:
-                pipe.hget(file_key(self.queue, file_id), "record")
-            records = await pipe.execute()
-        gone = [file_id for file_id, record in zip(ids, records, strict=True) if record is None]
-        if gone:
-            await self.redis.zrem(index, *gone)
-        files = [FileObject.model_validate_json(record) for record in records if record]
-        return [file for file in files if purpose is None or file.purpose == purpose]
+    async def list_files(
+        self,
+        tenant: str | None,
+        purpose: str | None = None,
+        *,
+        after: str | None = None,
+        limit: int = FILES_LIMIT.default,
+        order: Order = "desc",
+    ) -> tuple[list[FileObject], bool]:
+        """One page of the tenant's files, by ``created_at`` (``order``), from the one after
+        ``after``; and whether more follow it (expired ones dropped from its index here)."""
+        FILES_LIMIT.check(limit)
+
+        async def load(ids: list[str]) -> list[FileObject | None]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for file_id in ids:
+                    pipe.hget(file_key(self.queue, file_id), "record")
+                records = await pipe.execute()
+            return [FileObject.model_validate_json(raw) if raw else None for raw in records]
+
+        return await self._page(
+            files_key(self.queue, self.tenant_of(tenant)), "file", load, after, limit, order,
+            keep=lambda file: purpose in (None, file.purpose),
+        )  # fmt: skip
+
+    async def _page(
+        self,
+        index: str,
+        kind: str,
+        load: Callable[[list[str]], Awaitable[list[Any]]],
+        after: str | None,
+        limit: int,
+        order: Order,
+        keep: Callable[[Any], bool] = lambda item: True,
+    ) -> tuple[list[Any], bool]:
+        """A page of a tenant's index (a sorted set by creation time) as OpenAI pages its
+        lists: up to ``limit`` items after ``after`` in ``order``, and whether any follow.
+        ``load`` gives each id's object, None for one that is gone (dropped from the index
+        here); ``keep`` says which of them this list shows."""
+        if order not in ("asc", "desc"):
+            raise BatchApiError(
+                400, f"order: must be 'asc' or 'desc' (got {order!r})", code="invalid_order",
+                param="order",
+            )  # fmt: skip
+        start = 0
+        if after is not None:
+            rank = await (self.redis.zrevrank if order == "desc" else self.redis.zrank)(
+                index, after
+            )
+            if rank is None:  # not one of the tenant's (or gone): the cursor has no place
+                raise BatchApiError(
+                    400,
+                    f"after: no {kind} with id {after!r} in this list (deleted or expired?)",
+                    code="invalid_cursor",
+                    param="after",
+                )
+            start = rank + 1
+        read = self.redis.zrevrange if order == "desc" else self.redis.zrange
+        items: list[Any] = []
+        chunk = min(limit + 1, 1000)
+        # One more than the page: whether it exists is has_more.
+        while len(items) <= limit:
+            ids = [raw.decode() for raw in await read(index, start, start + chunk - 1)]
+            if not ids:
+                break
+            start += len(ids)
+            loaded = await load(ids)
+            gone = [item_id for item_id, item in zip(ids, loaded, strict=True) if item is None]
+            if gone:
+                await self.redis.zrem(index, *gone)
+                start -= len(gone)
+            items += [item for item in loaded if item is not None and keep(item)]
+        return items[:limit], len(items) > limit
 
     # --- batches -----------------------------------------------------------------------------
 
@@ -417,6 +584,9 @@ class BatchStore:
                 code="invalid_purpose",
                 param="input_file_id",
             )
+        usage = await self.usage(owner)  # a batch at the cap is refused before it is parsed
+        if usage.active_batches >= self.settings.gateway_batches_per_tenant:
+            raise self.over_cap(owner, CapReached.BATCHES, usage.active_batches, 0)
         content = await self.file_content(owner, input_file_id)
         lines, problems = await asyncio.to_thread(
             parse_batch_file, content, tenant=owner, models=models, settings=self.settings
@@ -435,32 +605,93 @@ class BatchStore:
         }
         fields: dict[str, Any] = {"doc": dump_json(doc), "tenant": owner, "next_line": 0}
         key = batch_key(self.queue, batch_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if problems:
-                shown = problems[:MAX_ERRORS_LISTED]
-                if len(problems) > len(shown):
-                    more = len(problems) - len(shown)
-                    shown.append(
-                        BatchErrorItem(code="more_errors", message=f"and {more} more bad lines")
-                    )
-                errors = BatchErrors(data=shown).model_dump_json()
-                fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
+        if problems:
+            shown = problems[:MAX_ERRORS_LISTED]
+            if len(problems) > len(shown):
+                more = len(problems) - len(shown)
+                shown.append(
+                    BatchErrorItem(code="more_errors", message=f"and {more} more bad lines")
+                )
+            errors = BatchErrors(data=shown).model_dump_json()
+            fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
+            async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.hset(key, mapping=fields)
                 pipe.pexpire(key, int(self.settings.gateway_file_retention_s * 1000))
                 queue_event(
                     pipe, self.settings, event_type="batch.failed", object_id=batch_id,
                     tenant=owner,
                 )  # fmt: skip
-            else:
-                fields |= {"status": "in_progress", "in_progress_at": int(now)}
-                pipe.hset(key, mapping=fields)
-                pipe.rpush(
-                    self.part("input", batch_id), *(line.model_dump_json() for line in lines)
-                )
-                pipe.sadd(active_batches_key(self.queue), batch_id)
-            pipe.zadd(batches_key(self.queue, owner), {batch_id: int(now * 1000)})
-            await pipe.execute()
+                pipe.zadd(batches_key(self.queue, owner), {batch_id: int(now * 1000)})
+                await pipe.execute()
+        else:
+            await self.start_batch(owner, batch_id, fields, lines, int(now * 1000))
         return await self.get_batch(owner, batch_id)
+
+    async def start_batch(
+        self, owner: str, batch_id: str, fields: dict[str, Any], lines: list[BatchLine],
+        created_ms: int,
+    ) -> None:  # fmt: skip
+        """Leave a valid batch ``in_progress`` for a runner, if the tenant's caps allow it
+        (checked and taken in one step with lua/start_batch.lua)."""
+        settings = self.settings
+        encoded = [line.model_dump_json() for line in lines]
+        input_bytes = sum(len(text) for text in encoded)
+        fields = fields | {
+            "status": "in_progress", "in_progress_at": created_ms // 1000,
+            "input_bytes": input_bytes,
+        }  # fmt: skip
+        # The lines first: a runner only looks at a batch once the script made it active.
+        input_key = self.part("input", batch_id)
+        await self.redis.rpush(input_key, *encoded)
+        try:
+            outcome, *kept = await self._start_batch(
+                keys=[
+                    files_key(self.queue, owner),
+                    tenant_active_batches_key(self.queue, owner),
+                    batch_key(self.queue, batch_id),
+                    active_batches_key(self.queue),
+                    batches_key(self.queue, owner),
+                ],
+                args=[
+                    file_key_prefix(self.queue),
+                    batch_key_prefix(self.queue),
+                    batch_id,
+                    created_ms,
+                    settings.gateway_batches_per_tenant,
+                    settings.gateway_files_per_tenant,
+                    settings.gateway_bytes_per_tenant,
+                    input_bytes,
+                    *(item for pair in fields.items() for item in pair),
+                ],
+            )
+        except BaseException:
+            await self.redis.delete(input_key)
+            raise
+        if outcome != 1:
+            await self.redis.delete(input_key)
+            raise self.over_cap(owner, int(outcome), int(kept[0]), input_bytes)
+
+    async def usage(self, tenant: str | None) -> TenantUsage:
+        """What the tenant keeps against its caps (expired files and ended batches are
+        dropped from its indexes on the way)."""
+        owner = self.tenant_of(tenant)
+        files, file_bytes, batches, batch_bytes = await self._usage(
+            keys=[files_key(self.queue, owner), tenant_active_batches_key(self.queue, owner)],
+            args=[file_key_prefix(self.queue), batch_key_prefix(self.queue)],
+        )
+        return TenantUsage(
+            tenant=owner, files=files, file_bytes=file_bytes, active_batches=batches,
+            batch_bytes=batch_bytes,
+        )  # fmt: skip
+
+    async def tenants(self) -> list[str]:
+        """Every tenant that keeps files or batches on this queue."""
+        found: set[str] = set()
+        for index in (files_key(self.queue, "*"), batches_key(self.queue, "*")):
+            prefix = index.removesuffix("*")
+            async for raw in self.redis.scan_iter(match=_glob_escaped(prefix) + "*", count=1000):
+                found.add(raw.decode().removeprefix(prefix))
+        return sorted(found)
 
     async def get_batch(self, tenant: str | None, batch_id: str) -> BatchObject:
         key = batch_key(self.queue, batch_id)
@@ -515,23 +746,28 @@ class BatchStore:
         )
 
     async def list_batches(
-        self, tenant: str | None, *, after: str | None = None, limit: int = 20
+        self,
+        tenant: str | None,
+        *,
+        after: str | None = None,
+        limit: int = BATCHES_LIMIT.default,
+        order: Order = "desc",
     ) -> tuple[list[BatchObject], bool]:
-        """The tenant's batches, newest first, from the one after ``after``; and whether
-        there are more."""
-        index = batches_key(self.queue, self.tenant_of(tenant))
-        ids = [raw.decode() for raw in await self.redis.zrevrange(index, 0, -1)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        batches: list[BatchObject] = []
-        for batch_id in ids:
-            if len(batches) > limit:
-                break
-            try:
-                batches.append(await self.get_batch(tenant, batch_id))
-            except BatchApiError:  # expired after its retention: drop it from the index
-                await self.redis.zrem(index, batch_id)
-        return batches[:limit], len(batches) > limit
+        """One page of the tenant's batches, newest first (``order="desc"``), from the one
+        after ``after``; and whether more follow it."""
+        BATCHES_LIMIT.check(limit)
+        owner = self.tenant_of(tenant)
+
+        async def load(ids: list[str]) -> list[BatchObject | None]:
+            batches: list[BatchObject | None] = []
+            for batch_id in ids:
+                try:
+                    batches.append(await self.get_batch(owner, batch_id))
+                except BatchApiError:  # expired after its retention: dropped from the index
+                    batches.append(None)
+            return batches
+
+        return await self._page(batches_key(self.queue, owner), "batch", load, after, limit, order)
 
     async def set_status(
         self, batch_id: str, status: BatchStatus, *, since: tuple[str, ...]

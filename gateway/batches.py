@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.batch_store import COMPLETION_WINDOW, ENDPOINT
+from edgeq.gateway.batch_store import BATCHES_LIMIT, COMPLETION_WINDOW, ENDPOINT
 from edgeq.gateway.files import _list, batch_api_errors, batch_store
 from edgeq.gateway.models import ModelNamesDep
 
@@ -44,11 +44,18 @@ async def create_batch(
 
 @router.get("/v1/batches")
 async def list_batches(
-    request: Request, tenant: TenantDep, after: str | None = None, limit: int = 20
+    request: Request,
+    tenant: TenantDep,
+    after: str | None = None,
+    limit: int = BATCHES_LIMIT.default,
+    order: str = "desc",
 ) -> dict[str, Any]:
     with batch_api_errors():
         batches, more = await (await batch_store(request)).list_batches(
-            tenant, after=after, limit=max(1, min(limit, 100))
+            tenant,
+            after=after,
+            limit=limit,
+            order=order,  # type: ignore[arg-type]
         )
     return _list([batch.model_dump(mode="json") for batch in batches], more)
 

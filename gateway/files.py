@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from edgeq.core.errors import EdgeqError
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.batch_store import BatchApiError, BatchStore
+from edgeq.gateway.batch_store import FILES_LIMIT, BatchApiError, BatchStore
 from edgeq.gateway.errors import ApiError, client_error
 from edgeq.gateway.state import SettingsDep
 
@@ -79,11 +79,22 @@ async def create_file(
 
 @router.get("/v1/files")
 async def list_files(
-    request: Request, tenant: TenantDep, purpose: str | None = None, limit: int = 10000
+    request: Request,
+    tenant: TenantDep,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: int = FILES_LIMIT.default,
+    order: str = "desc",
 ) -> dict[str, Any]:
     with batch_api_errors():
-        files = await (await batch_store(request)).list_files(tenant, purpose)
-    return _list([file.model_dump(mode="json") for file in files[:limit]], len(files) > limit)
+        files, more = await (await batch_store(request)).list_files(
+            tenant,
+            purpose,
+            after=after,
+            limit=limit,
+            order=order,  # type: ignore[arg-type]
+        )
+    return _list([file.model_dump(mode="json") for file in files], more)
 
 
 @router.get("/v1/files/{file_id}")

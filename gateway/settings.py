@@ -104,7 +104,23 @@ class GatewaySettings(ConnectionSettings):
         50_000, ge=1, description="Most lines (requests) in one batch input file."
     )
     gateway_files_per_tenant: int = Field(
-        20, ge=1, description="Most uploaded files one tenant may keep at once."
+        20,
+        ge=1,
+        description=(
+            "Most files one tenant may keep at once, uploads and batch output together (an "
+            "upload at the cap is refused; a batch's output is always written and counted)."
+        ),
+    )
+    gateway_bytes_per_tenant: int = Field(
+        128_000_000,
+        ge=1024,
+        description=(
+            "Most bytes one tenant may keep in Redis: its files' contents and its running "
+            "batches' validated lines (an upload or a batch that would pass it is refused)."
+        ),
+    )
+    gateway_batches_per_tenant: int = Field(
+        4, ge=1, description="Most batches of one tenant not finished yet (in progress)."
     )
     gateway_file_retention_s: float = Field(
         7 * 86400.0,
@@ -119,6 +135,14 @@ class GatewaySettings(ConnectionSettings):
         description=(
             "Most lines of one batch queued or running at once (the rest wait in the batch, "
             "not in the queue)."
+        ),
+    )
+    gateway_batch_queued_max: int = Field(
+        256,
+        ge=1,
+        description=(
+            "Most lines of all batches together queued or running at once. A chat's admission "
+            "(EDGEQ_MAX_QUEUE) does not count them, so batches never get a chat refused."
         ),
     )
     gateway_batch_completion_window_s: float = Field(

@@ -19,6 +19,7 @@ from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import (
     aging_key,
+    batch_lines_key,
     fair_key,
     job_key,
     queued_by_tenant_key,
@@ -62,6 +63,9 @@ class JobQueue:
             aging_key(queue),
             tenancy_key(queue),
         ]
+        # Batch lines are left out of the depth interactive and default jobs are admitted
+        # against (lua/enqueue.lua).
+        self._batch_lines_key = batch_lines_key(queue)
 
     async def enqueue(
         self,
@@ -74,8 +78,9 @@ class JobQueue:
         priority: Priority | None,
         after: asyncio.Future[Any] | None = None,
     ) -> EnqueueOutcome:
-        """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit) or
-        the tenant has as many queued as its cap; its score puts it in its priority class and
+        """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit; the
+        lines of batches are not counted for an interactive or default job) or the tenant has
+        as many queued as its cap; its score puts it in its priority class and
         its tenant's fair share (core/scheduling.py).
 
         The job's payload expires after ``deadline_s``: a worker reaching it later finds it
@@ -86,7 +91,7 @@ class JobQueue:
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
         job = {"f": JOB_FUNCTION, "a": [request], "k": {}, "t": 1, "et": round(now_ms, 3)}
         reply = await self._enqueue(
-            [self.name, job_key(job_id), *self._scheduling_keys],
+            [self.name, job_key(job_id), *self._scheduling_keys, self._batch_lines_key],
             [
                 dump_json(job),
                 int(deadline_s * 1000),

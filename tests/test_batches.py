@@ -231,3 +231,48 @@ async def test_a_chat_sent_while_a_batch_runs_starts_before_its_queued_lines(
         assert not before, f"lines waiting when the chat came started before it: {before, chat_at}"
     finally:
         process.stop()
+
+
+def test_batches_of_two_tenants_never_get_a_third_tenants_chat_refused(
+    worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """Two tenants' batches keep more lines queued or running than EDGEQ_MAX_QUEUE (their own
+    budget, EDGEQ_GATEWAY_BATCH_QUEUED_MAX); a third tenant's chats are admitted and answered
+    while they run, and the batches still complete."""
+    keys = {"acme": "sk-acme", "other": "sk-other", "third": "sk-third"}
+    env = gateway_env(
+        worker,
+        EDGEQ_MAX_QUEUE="4",
+        EDGEQ_GATEWAY_BATCH_WINDOW="4",
+        EDGEQ_GATEWAY_BATCH_QUEUED_MAX="8",
+        EDGEQ_GATEWAY_TENANT_KEYS=",".join(f"{t}={k}" for t, k in keys.items()),
+    )
+    process = GatewayProcess(env, tmp_path / "gateway.log").start()
+    try:
+        model = worker.env["EDGEQ_MODEL"]
+
+        def sdk(tenant: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=process.base_url, api_key=keys[tenant], max_retries=0)
+
+        batches = [
+            (sdk(tenant), create_batch(sdk(tenant), [
+                line(f"{tenant}-{n}", model, max_tokens=96) for n in range(24)
+            ]))
+            for tenant in ("acme", "other")
+        ]  # fmt: skip
+        redis = SyncRedis.from_url(worker.env["EDGEQ_REDIS_URL"])
+        deadline = time.monotonic() + 60
+        while redis.zcard(worker.env["EDGEQ_QUEUE"]) < 4:  # the batches alone fill the limit
+            assert time.monotonic() < deadline, "the batches never held EDGEQ_MAX_QUEUE lines"
+            time.sleep(0.02)
+        third = sdk("third")
+        for n in range(3):
+            answer = third.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": f"Hello {n}"}], max_tokens=8
+            )
+            assert answer.choices[0].message.role == "assistant"
+        for client, batch_id in batches:
+            done = wait_until(client, batch_id, lambda batch: batch.status == "completed", 300)
+            assert done.request_counts is not None and done.request_counts.completed == 24
+    finally:
+        process.stop()

@@ -149,12 +149,13 @@ async def test_a_capped_tenant_is_refused_while_others_are_not(
     client: ChatClient, priority_worker: WorkerProcess
 ) -> None:
     async with occupied(client, priority_worker, 2) as running:
-        held = [
-            await client.submit(MESSAGES, tenant="capped", priority="batch", max_tokens=4)
-            for _ in range(2)
-        ]
+        held = [await client.submit(MESSAGES, tenant="capped", max_tokens=4) for _ in range(2)]
         with pytest.raises(QueueFull, match=r"tenant capped already has 2 jobs queued"):
             await client.submit(MESSAGES, tenant="capped", max_tokens=4)
+        # Its batch work is admitted against all its queued jobs (and refused), but never
+        # counts against its chats (tests/test_tenant_limits.py).
+        with pytest.raises(QueueFull, match=r"tenant capped already has 2 jobs queued"):
+            await client.submit(MESSAGES, tenant="capped", priority="batch", max_tokens=4)
         other = await client.submit(MESSAGES, tenant="a", max_tokens=4)
 
         # Running counts come with the worker's heartbeat (every quarter lease): wait for one.

@@ -41,7 +41,10 @@ OpenAI's Files and Batches (gateway/batch_store.py), per queue:
   ``{queue}:batch-out:<batch_id>`` and ``{queue}:batch-err:<batch_id>``: hashes, custom_id ->
   its output or error line (written once each); ``{queue}:batch-attempts:<batch_id>``: hash,
   line -> how often it was run again; ``{queue}:batch-lease:<batch_id>``: the runner holding
-  the batch, with a short TTL.
+  the batch, with a short TTL; ``{queue}:batches-active:<tenant>``: set, the tenant's
+  batches not finished yet (its EDGEQ_GATEWAY_BATCHES_PER_TENANT); ``{queue}:batch-lines``:
+  set, ``<batch_id>:<line>`` of every batch line queued or running, of all batches together
+  (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; a chat's admission leaves them out of the queue's depth).
 """
 
 from __future__ import annotations
@@ -197,6 +200,27 @@ def batches_key(queue: str, tenant: str) -> str:
 def active_batches_key(queue: str) -> str:
     """A set per queue: the batches not finished yet, which some runner must take."""
     return f"{queue}:batches-active"
+
+
+def tenant_active_batches_key(queue: str, tenant: str) -> str:
+    """A set per tenant: its batches not finished yet (what its batch cap counts)."""
+    return f"{queue}:batches-active:{tenant}"
+
+
+def batch_lines_key(queue: str) -> str:
+    """A set per queue: ``<batch_id>:<line>`` of every batch line queued or running."""
+    return f"{queue}:batch-lines"
+
+
+def file_key_prefix(queue: str) -> str:
+    """What every file's key starts with (``file_key``), for the scripts that count a
+    tenant's files from its index."""
+    return file_key(queue, "")
+
+
+def batch_key_prefix(queue: str) -> str:
+    """What every batch's key starts with (``batch_key``)."""
+    return batch_key(queue, "")
 
 
 def batch_part_key(queue: str, part: str, batch_id: str) -> str:

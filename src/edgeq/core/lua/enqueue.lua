@@ -3,9 +3,14 @@
 -- wakes the workers once per batch.
 --
 -- KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
--- queued-by-tenant, aging and tenancy keys (core/scheduling.py); ARGV: the payload, its TTL
--- (ms), the queue's limit, the job id, the wake channel, the band, the tenant. Returns
--- {Enqueued, the tenant's cap when it is TENANT_FULL}.
+-- queued-by-tenant, aging and tenancy keys (core/scheduling.py), and optionally the queue's
+-- batch lines (core/keys.py batch_lines_key); ARGV: the payload, its TTL (ms), the queue's
+-- limit, the job id, the wake channel, the band, the tenant. Returns {Enqueued, the tenant's
+-- cap when it is TENANT_FULL}.
+--
+-- The lines of batches (gateway/batch_runner.py) are bounded on their own
+-- (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; their runner enqueues them with no limit) and left out of
+-- the depth every other job is admitted against, so batches never get a chat refused.
 
 -- What the calls of one batch read alike is read once per batch: each redis.call costs a
 -- script ~3 us (Redis's SLOWLOG on a 2-vCPU machine, 2026-12-05: a burst's enqueue of 50 jobs,
@@ -14,19 +19,32 @@ local function per_batch(key, read)
   if batch[key] == nil then batch[key] = read() end
   return batch[key]
 end
-local limit = tonumber(ARGV[3])
+local limit, band, tenant = tonumber(ARGV[3]), tonumber(ARGV[6]), ARGV[7]
 local depth_key = 'depth:' .. KEYS[1]
 local function depth() return redis.call('ZCARD', KEYS[1]) end
-if limit > 0 and per_batch(depth_key, depth) >= limit then return {0} end
+if limit > 0 then
+  local counted = per_batch(depth_key, depth)
+  if KEYS[8] then
+    counted = counted - per_batch('lines:' .. KEYS[8], function()
+      return redis.call('SCARD', KEYS[8])
+    end)
+  end
+  if counted >= limit then return {0} end
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {-1} end
-local band, tenant = tonumber(ARGV[6]), ARGV[7]
 local rules = per_batch('tenant:' .. KEYS[7] .. ':' .. tenant, function()
   return redis.call('HMGET', KEYS[7], 'max_queued:' .. tenant, 'weight:' .. tenant,
     'default_weight', 'aging_ms')
 end)
 local cap = tonumber(rules[1] or '0')
-if cap > 0 and tonumber(redis.call('HGET', KEYS[5], tenant) or '0') >= cap then
-  return {-2, cap}
+if cap > 0 then
+  local queued = tonumber(redis.call('HGET', KEYS[5], tenant) or '0')
+  -- Nor does the tenant's own batch work get its chats refused: an interactive or default
+  -- job counts the tenant's jobs queued in those classes only (a batch job, all of them).
+  if band < 2 then
+    queued = queued - tonumber(redis.call('HGET', KEYS[3], 'queued:2:' .. tenant) or '0')
+  end
+  if queued >= cap then return {-2, cap} end
 end
 local start = join_flow(KEYS[3], band, tenant, weight_from(rules[2], rules[3]))
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
