@@ -44,6 +44,7 @@ from edgeq.gateway.response_events import (
     TERMINAL_STATUSES,
     ResponseEvents,
     ResponseState,
+    error_event,
     final_state,
     job_id_of,
     response_json,
@@ -437,8 +438,7 @@ async def _live(
     except EdgeqError as error:
         # Not one of the response's events: it carries the number of the last one sent, so
         # a client that resumes after it (starting_after) misses nothing.
-        failure = client_error(error)
-        yield sse({"type": "error", "sequence_number": mapper.sequence, **failure.body["error"]})
+        yield sse(error_event(client_error(error).body["error"], mapper.sequence))
     finally:
         if job is not None:
             if not ended and cancel_on_leave:
