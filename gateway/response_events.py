@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorCode, ErrorEvent
 from edgeq.core.structured import ToolCall
+from edgeq.gateway.openai_api import encodable
 
 RESPONSE_PREFIX = "resp_"
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
@@ -269,7 +270,9 @@ def response_json(request: dict[str, Any], state: ResponseState) -> dict[str, An
         "incomplete_details": incomplete,
         "instructions": request.get("instructions"),
         "max_output_tokens": request.get("max_output_tokens"),
-        "metadata": request.get("metadata") or {},
+        # A record stored before metadata was checked may hold a lone surrogate: shown as
+        # U+FFFD, so the response can still be read.
+        "metadata": encodable(request.get("metadata") or {}),
         "model": request["model"],
         "output": output_items(request["job_id"], state),
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
