@@ -42,10 +42,12 @@ class GatewaySettings(ConnectionSettings):
     gateway_port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
     gateway_api_keys: CommaList = Field(
         default_factory=list,
+        repr=False,  # never shown, in an error either (core/settings.py)
         description="Comma-separated bearer tokens; when set, /v1/* needs one of them.",
     )
     gateway_tenant_keys: TenantKeys = Field(
         default_factory=list,
+        repr=False,
         description=(
             "Comma-separated tenant=key entries: each key is accepted like one of "
             "EDGEQ_GATEWAY_API_KEYS and fixes the tenant of every request made with it."
@@ -77,6 +79,7 @@ class GatewaySettings(ConnectionSettings):
     )
     gateway_webhooks: list[WebhookEndpoint] = Field(
         default_factory=list,
+        repr=False,  # their secrets
         description=(
             'JSON list of webhook endpoints, [{"url": ..., "secret": "whsec_...", "tenant": '
             "...}]: each gets every ended response (or only its tenant's), signed with its secret."
