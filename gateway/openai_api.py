@@ -142,6 +142,12 @@ class RequestBody(RequestPart):
                 f"{where}: not valid text: it holds a lone surrogate (a JSON \\uD800-\\uDFFF "
                 f"escape without its pair), which cannot be encoded as UTF-8",
             )
+        return cls.check_raw(data)
+
+    @classmethod
+    def check_raw(cls, data: Any) -> Any:
+        """A body's own checks of its raw JSON, made after its strings are known to be
+        encodable (so a message may quote them); raise ``field_error``. None by default."""
         return data
 
 
@@ -422,8 +428,11 @@ ErrorType = Literal[
 def error_json(
     message: str, *, type: ErrorType, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
-    """OpenAI's error body, which its SDKs turn into their exception types."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error body, which its SDKs turn into their exception types. A message or
+    param quoting a lone surrogate of the request is shown with U+FFFD: an error that cannot
+    be rendered would be a 500."""
+    error = {"message": message, "type": type, "param": param, "code": code}
+    return {"error": encodable(error)}
 
 
 def now_s() -> int:

@@ -23,7 +23,7 @@ import anyio
 import structlog
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from edgeq.core.errors import EdgeqError
@@ -168,9 +168,8 @@ class CreateResponse(RequestBody):
     user: str | None = None  # OpenAI's end-user tag: changes nothing in the answer
     seed: int | None = None  # edgeq's (and vLLM's) extension, sent as the SDK's extra_body
 
-    @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, data: Any) -> Any:
+    def check_raw(cls, data: Any) -> Any:
         """An input item or content part edgeq does not read (an image, a file, a reasoning
         item) is refused by name, not with every way the input's union failed to match it."""
         items = data.get("input") if isinstance(data, dict) else None

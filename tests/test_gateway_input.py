@@ -176,6 +176,9 @@ def respond(**fields: Any) -> dict[str, Any]:
         ("/responses", respond(instructions=LONE), "instructions"),
         ("/responses", respond(input=[{"role": "user", "content": [
             {"type": "input_text", "text": LONE}]}]), "input.0.content.0.text"),
+        # found by tests/test_gateway_abuse.py: the refusal of an unknown part quoted its type
+        ("/responses", respond(input=[{"role": "user", "content": [
+            {"type": LONE, "text": "hi"}]}]), "input.0.content.0.type"),
         ("/chat/completions", chat(messages=[{"role": "user", "content": LONE}]),
          "messages.0.content"),
         ("/chat/completions", chat(user=LONE), "user"),  # a field edgeq ignores, too
