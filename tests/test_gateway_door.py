@@ -206,6 +206,11 @@ async def test_twenty_unauthenticated_200_mb_bodies_cost_the_gateway_no_memory_a
     ]  # fmt: skip
     async with Usage(door.process) as usage:
         answers = await asyncio.gather(*floods)
+    print(
+        f"door: 20 unauthenticated 200 MB bodies: gateway RSS +{usage.peak_growth / MB:.1f} MB "
+        f"at most, {usage.written / 1024:.0f} KiB written, the most a client sent "
+        f"{max(answer.sent for answer in answers) / MB:.0f} MB"
+    )
     assert [answer.status for answer in answers] == [401] * 20
     for answer in answers:
         assert answer.headers["www-authenticate"] == "Bearer"
