@@ -6,6 +6,7 @@ model. Its parts each have a room of their own, and ``create_app`` only joins th
     state.py    the settings and the pooled ChatClient, as FastAPI dependencies
     errors.py   every error answered in OpenAI's shape, and the handlers that make it so
     auth.py     the API key check and the tenant of a request
+    door.py     the key checked and the body bounded (size, time) before any body is read
     jobs.py     waiting on a job while its client may leave; cancelling it
     sse.py      a job's events as OpenAI's streamed chunks
     probes.py   /health, /ready
@@ -29,6 +30,7 @@ from fastapi import FastAPI
 
 from edgeq.gateway import batches, chat, files, models, probes, responses
 from edgeq.gateway.batch_runner import running_batches
+from edgeq.gateway.door import Door
 from edgeq.gateway.errors import install_error_handlers
 from edgeq.gateway.models import ModelNames
 from edgeq.gateway.response_follower import follow_responses
@@ -54,6 +56,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     # Set now, not in the lifespan: the API key check needs no Redis (state.py).
     app.state.settings = settings
     install_error_handlers(app)
+    app.add_middleware(Door, settings=settings)
     for room in (probes, models, chat, responses, files, batches):
         app.include_router(room.router)
     return app

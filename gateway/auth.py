@@ -31,24 +31,41 @@ def accepted_keys(settings: GatewaySettings) -> list[tuple[bytes, str | None]]:
     ]
 
 
-async def require_api_key(request: Request, settings: SettingsDep) -> str | None:
-    """The tenant the caller's key fixes; None for a plain key or when auth is off."""
+def key_tenant(settings: GatewaySettings, authorization: str) -> tuple[bool, str | None]:
+    """Whether ``authorization`` (the header's value) carries an accepted key, and the tenant
+    that key fixes (None: a plain key). With no keys configured every request is accepted."""
     api_keys = accepted_keys(settings)
     if not api_keys:
-        return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return True, None
+    scheme, _, token = authorization.partition(" ")
     given = token.strip().encode()
     # Compared with every key, so the time taken does not tell which one matched.
     matched = [tenant for key, tenant in api_keys if secrets.compare_digest(given, key)]
     if scheme.lower() != "bearer" or not matched:
-        raise ApiError(
-            401,
-            "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
-            "EDGEQ_GATEWAY_API_KEYS or EDGEQ_GATEWAY_TENANT_KEYS",
-            type="authentication_error",
-            code="invalid_api_key",
-        )
-    return matched[0]
+        return False, None
+    return True, matched[0]
+
+
+def unauthorized() -> ApiError:
+    """The 401 for a missing or wrong key; ``WWW-Authenticate`` says which scheme to use."""
+    return ApiError(
+        401,
+        "missing or wrong API key: send 'Authorization: Bearer <key>' with one of "
+        "EDGEQ_GATEWAY_API_KEYS or EDGEQ_GATEWAY_TENANT_KEYS",
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+async def require_api_key(request: Request, settings: SettingsDep) -> str | None:
+    """The tenant the caller's key fixes; None for a plain key or when auth is off. (The
+    door, door.py, has refused a wrong key before the body was read; this is for the tenant,
+    and for an app built without the door.)"""
+    accepted, tenant = key_tenant(settings, request.headers.get("authorization", ""))
+    if not accepted:
+        raise unauthorized()
+    return tenant
 
 
 async def request_tenant(

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from enum import IntEnum
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, field_validator
 from redis.asyncio import Redis
 
 from edgeq.core.errors import EdgeqError
@@ -43,7 +43,12 @@ from edgeq.core.keys import (
 )
 from edgeq.core.protocol import describe_validation_error, dump_json, job_payload
 from edgeq.core.scripts import lua_script
-from edgeq.gateway.openai_api import ChatCompletionRequest, UnsupportedField
+from edgeq.gateway.openai_api import (
+    ChatCompletionRequest,
+    UnsupportedField,
+    encodable,
+    unencodable_at,
+)
 from edgeq.gateway.settings import GatewaySettings
 from edgeq.gateway.webhooks import queue_event
 from edgeq.producer.client import build_request
@@ -190,6 +195,13 @@ class BatchObject(BaseModel):
     request_counts: RequestCounts
     metadata: dict[str, str] | None = None
 
+    @field_validator("metadata", mode="after")
+    @classmethod
+    def _shown(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        # A record stored before metadata was checked may hold a lone surrogate: shown with
+        # U+FFFD in its place, never failing the listing it is in.
+        return encodable(metadata)
+
 
 class BatchLine(BaseModel):
     """One validated input line, as the runner needs it."""
@@ -217,6 +229,14 @@ def parse_line(
         return _problem(number, "invalid_json_line", f"not JSON ({error})")
     if not isinstance(item, dict):
         return _problem(number, "invalid_json_line", "not a JSON object")
+    where = unencodable_at(item)
+    if where is not None:  # it could be neither stored nor shown again
+        return _problem(
+            number,
+            "invalid_request",
+            f"{where}: not valid text: it holds a lone surrogate, which cannot be encoded as UTF-8",
+            where,
+        )
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return _problem(

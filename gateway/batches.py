@@ -7,23 +7,24 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict
 
 from edgeq.gateway.auth import TenantDep
 from edgeq.gateway.batch_store import BATCHES_LIMIT, COMPLETION_WINDOW, ENDPOINT
 from edgeq.gateway.files import _list, batch_api_errors, batch_store
 from edgeq.gateway.models import ModelNamesDep
+from edgeq.gateway.openai_api import Metadata, RequestBody
 
 router = APIRouter()
 
 
-class CreateBatch(BaseModel):
+class CreateBatch(RequestBody):
     model_config = ConfigDict(extra="allow")  # output_expires_after and what SDKs add
 
     input_file_id: str
     endpoint: str = ENDPOINT
     completion_window: str = COMPLETION_WINDOW
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
 
 
 @router.post("/v1/batches")

@@ -8,6 +8,8 @@ decided here, in one place: ``job_error`` and ``client_error`` map edgeq's error
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -22,7 +24,7 @@ from edgeq.core.errors import (
     RedisUnavailable,
 )
 from edgeq.core.protocol import ErrorCode
-from edgeq.gateway.openai_api import ErrorType, error_json
+from edgeq.gateway.openai_api import ErrorType, error_json, field_of
 
 #: HTTP status for each way a job can end without an answer. OpenAI SDKs retry 429 and 5xx
 #: on their own, so only the codes that are safe to retry get a 5xx.
@@ -69,8 +71,14 @@ def job_error(code: str, message: str) -> ApiError:
 
 def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiError:
     """What ChatClient raised, as the HTTP error a caller of OpenAI expects."""
-    if isinstance(error, InvalidRequest):
-        return ApiError(400, str(error), type="invalid_request_error", code="invalid_request")
+    if isinstance(error, InvalidRequest):  # its message starts with the field at fault
+        return ApiError(
+            400,
+            str(error),
+            type="invalid_request_error",
+            code="invalid_request",
+            param=field_of(str(error)),
+        )
     if isinstance(error, QueueFull):
         return ApiError(
             429,
@@ -95,17 +103,27 @@ async def api_error(_: Request, error: ApiError) -> JSONResponse:
 async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's 422 for a body that does not parse, as the 400 OpenAI sends, naming the
     first bad field as ``param`` and every problem in the message."""
-    problems = error.errors()
-    first = problems[0] if problems else {}
+    problems = [_problem(item) for item in error.errors()]
+    param, code = problems[0][1:] if problems else (None, "invalid_request")
+    message = "; ".join(text for text, _, _ in problems) or "body: invalid"
+    return ApiError(400, message, type="invalid_request_error", code=code, param=param).response()
+
+
+def _problem(item: dict[str, Any]) -> tuple[str, str | None, str]:
+    """One of pydantic's errors as (the sentence, the field it names, the error code)."""
+    ctx = item.get("ctx") or {}
+    if item["type"] == "edgeq_field":  # openai_api.field_error: it names its own field
+        return ctx["message"], ctx["field"], ctx.get("code", "invalid_request")
+    if item["type"] == "json_invalid":  # loc holds a character position, not a field
+        return (
+            f"body: not valid JSON ({ctx.get('error', 'JSON decode error')} at character "
+            f"{item['loc'][-1]})",
+            None,
+            "invalid_json",
+        )
     # loc starts with where the value came from ("body"); the rest is the field's path.
-    param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-    message = "; ".join(
-        f"{'.'.join(str(part) for part in item['loc'][1:]) or 'body'}: {item['msg']}"
-        for item in problems
-    )
-    return ApiError(
-        400, message, type="invalid_request_error", code="invalid_request", param=param
-    ).response()
+    where = ".".join(str(part) for part in item["loc"][1:])
+    return f"{where or 'body'}: {item['msg']}", where or None, "invalid_request"
 
 
 async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:

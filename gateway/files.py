@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, File, Form, Request, UploadFile
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 
 from edgeq.core.errors import EdgeqError
 from edgeq.gateway.auth import TenantDep
@@ -60,21 +62,53 @@ def _list(data: list[Any], has_more: bool = False) -> dict[str, Any]:
 
 
 @router.post("/v1/files")
-async def create_file(
-    request: Request,
-    tenant: TenantDep,
-    settings: SettingsDep,
-    file: Annotated[UploadFile, File()],
-    purpose: Annotated[str, Form()],
-) -> dict[str, Any]:
-    # One byte over the limit is enough to refuse it: the rest is never read.
-    content = await file.read(settings.gateway_file_max_bytes + 1)
-    if len(content) > settings.gateway_file_max_bytes:
-        content += b"x"  # "more than the limit" is all the message can say of its size
+async def create_file(request: Request, tenant: TenantDep, settings: SettingsDep) -> dict[str, Any]:
+    # Read here, not as FastAPI's File()/Form() parameters, so that one file part is all an
+    # upload may carry: a second is refused before it is spooled. (The door, door.py, has
+    # bounded the whole body already.)
+    try:
+        form = await request.form(max_files=1, max_fields=1)
+    except HTTPException as error:
+        raise ApiError(
+            400,
+            f"body: {error.detail} (an upload is one file part and a purpose field)",
+            type="invalid_request_error",
+            code="invalid_multipart",
+            param="file",
+        ) from None
+    try:
+        file, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(file, UploadFile):
+            raise _missing("file", "a file part named 'file'")
+        if not isinstance(purpose, str):
+            raise _missing("purpose", "a form field 'purpose' ('batch')")
+        size = file.size if file.size is not None else 0
+        if size > settings.gateway_file_max_bytes:
+            raise ApiError(
+                413,
+                f"file: {size} bytes, more than the {settings.gateway_file_max_bytes} allowed "
+                f"(EDGEQ_GATEWAY_FILE_MAX_BYTES)",
+                type="invalid_request_error",
+                code="file_too_large",
+                param="file",
+            )
+        content = await file.read()
+    finally:
+        await form.close()  # the spooled file goes now, not at garbage collection
     with batch_api_errors():
         store = await batch_store(request)
         created = await store.create_file(tenant, file.filename or "upload.jsonl", purpose, content)
     return created.model_dump(mode="json")
+
+
+def _missing(param: str, what: str) -> ApiError:
+    return ApiError(
+        400,
+        f"{param}: missing; an upload is multipart/form-data with {what}",
+        type="invalid_request_error",
+        code="invalid_request",
+        param=param,
+    )
 
 
 @router.get("/v1/files")

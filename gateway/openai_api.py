@@ -12,10 +12,12 @@ dropped (vLLM's server ignores its legacy ``guided_json``; we say so).
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic_core import PydanticCustomError
 
 from edgeq.core.protocol import ChatResult, DoneEvent
 from edgeq.core.scheduling import PRIORITIES, Priority
@@ -28,14 +30,26 @@ STRUCTURED_OUTPUTS = ("regex", "choice", "grammar", "json", "json_object")
 ROLE_ALIASES = {"developer": "system"}
 
 
+#: How edgeq's error messages start: the field at fault, dotted (``messages.0.role: ``).
+FIELD_PREFIX = re.compile(r"([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*): ")
+
+
+def field_of(message: str) -> str | None:
+    """The field an error message starts with (``max_tokens: ...``, ``messages.0.role: ...``),
+    the way edgeq's messages name it; None if it starts with none."""
+    found = FIELD_PREFIX.match(message)
+    return found.group(1) if found else None
+
+
 class UnsupportedField(ValueError):
-    """The request asks for something edgeq does not do; the message names the field."""
+    """The request asks for something edgeq does not do; the message names the field (and
+    so does ``param``: given, or the field the message starts with)."""
 
     code = "unsupported"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param = param if param is not None else field_of(message)
 
 
 class InvalidField(UnsupportedField):
@@ -44,14 +58,114 @@ class InvalidField(UnsupportedField):
     code = "invalid_request"
 
 
-class TextPart(BaseModel):
+# --- every request body ----------------------------------------------------------------------
+
+
+class RequestPart(BaseModel):
+    """A part of a request body. Strict, as OpenAI is: ``"max_tokens": "10"`` or
+    ``"include_usage": "yes"`` is refused, not read as 10 or true (an integer is still a
+    number where a float is asked for)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+def field_error(field: str, message: str, *, code: str = "invalid_request") -> PydanticCustomError:
+    """A validation error naming ``field`` (errors.py makes it the 400's ``param``); raised
+    from a model validator, whose own location is the whole body."""
+    return PydanticCustomError("edgeq_field", "{message}", {"field": field, "message": message,
+                                                             "code": code})  # fmt: skip
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def unencodable_at(value: Any, path: str = "") -> str | None:
+    """The path (``metadata.k``, ``messages.0.content``) of the first string in ``value``
+    (parsed JSON), key or value, that cannot be encoded as UTF-8: one holding a lone surrogate,
+    which JSON's ``\\ud800`` escape makes; None if there is none."""
+    if isinstance(value, str):
+        return None if _encodable(value) else path or "body"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{_escaped(str(key))}" if path else _escaped(str(key))
+            if isinstance(key, str) and not _encodable(key):
+                return where
+            found = unencodable_at(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = unencodable_at(item, f"{path}.{index}" if path else str(index))
+            if found is not None:
+                return found
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+#: A surrogate code point: in a Python string, always a lone one (a pair decodes to one
+#: character).
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings replaced by U+FFFD: how a record
+    stored before its strings were checked is shown, instead of failing to render."""
+    if isinstance(value, str):
+        return value if _encodable(value) else SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {encodable(key): encodable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [encodable(item) for item in value]
+    return value
+
+
+class RequestBody(RequestPart):
+    """A whole request body (chat, responses, batches, a batch line's body). Every string in
+    it, extra fields' too, must be encodable: one that is not is refused here, naming it,
+    before anything is stored that could not be shown again."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_strings(cls, data: Any) -> Any:
+        where = unencodable_at(data)
+        if where is not None:
+            raise field_error(
+                where,
+                f"{where}: not valid text: it holds a lone surrogate (a JSON \\uD800-\\uDFFF "
+                f"escape without its pair), which cannot be encoded as UTF-8",
+            )
+        return cls.check_raw(data)
+
+    @classmethod
+    def check_raw(cls, data: Any) -> Any:
+        """A body's own checks of its raw JSON, made after its strings are known to be
+        encodable (so a message may quote them); raise ``field_error``. None by default."""
+        return data
+
+
+#: OpenAI's ``metadata``: at most 16 pairs, keys of at most 64 characters, values of at most
+#: 512, all strings (the same on every resource that takes it).
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
+MetadataValue = Annotated[str, StringConstraints(max_length=512)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)]
+
+
+class TextPart(RequestPart):
     model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
 
 
-class Message(BaseModel):
+class Message(RequestPart):
     model_config = ConfigDict(extra="allow")
 
     role: str
@@ -60,13 +174,13 @@ class Message(BaseModel):
     tool_call_id: str | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestPart):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(RequestBody):
     # OpenAI SDKs and LangChain add fields of their own (user, metadata, store, ...).
     model_config = ConfigDict(extra="allow")
 
@@ -94,6 +208,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = None
     # vLLM's int (lower first, default 0) or one of edgeq's class names; see _priority.
     priority: Any = None
+    metadata: Metadata | None = None  # OpenAI's (stored completions): checked, not kept
 
     def unsupported(self) -> str | None:
         """The first field asking for what edgeq cannot do, described; None if all is fine."""
@@ -209,8 +324,9 @@ def _edgeq_message(index: int, message: Message) -> dict[str, Any]:
         for part_index, part in enumerate(content):
             if part.type != "text" or part.text is None:
                 raise UnsupportedField(
-                    f"messages.{index}.content.{part_index}: only text parts are supported "
-                    f"by edgeq (got type {part.type!r})"
+                    f"messages.{index}.content.{part_index}: {part.type} is not supported by "
+                    f"edgeq (text parts only)",
+                    param=f"messages.{index}.content.{part_index}",
                 )
         text = "".join(part.text or "" for part in content)
     fields: dict[str, Any] = {"role": role, "content": text}
@@ -312,8 +428,11 @@ ErrorType = Literal[
 def error_json(
     message: str, *, type: ErrorType, code: str | None = None, param: str | None = None
 ) -> dict[str, Any]:
-    """OpenAI's error body, which its SDKs turn into their exception types."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error body, which its SDKs turn into their exception types. A message or
+    param quoting a lone surrogate of the request is shown with U+FFFD: an error that cannot
+    be rendered would be a 500."""
+    error = {"message": message, "type": type, "param": param, "code": code}
+    return {"error": encodable(error)}
 
 
 def now_s() -> int:

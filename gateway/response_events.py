@@ -16,6 +16,8 @@ any process gets event N+1 next, none lost, none repeated.
                   response.incomplete)
     error         response.failed (status "cancelled" when the job was cancelled: the
                   Responses stream has no event of its own for it)
+    (lost stream) ``error`` (error_event), when the gateway loses the job's stream; not
+                  one of the response's events: it repeats the last one's number
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Literal
 
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorCode, ErrorEvent
 from edgeq.core.structured import ToolCall
+from edgeq.gateway.openai_api import encodable
 
 RESPONSE_PREFIX = "resp_"
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
@@ -186,6 +189,20 @@ class ResponseEvents:
         ]
 
 
+def error_event(error: dict[str, Any], sequence_number: int) -> dict[str, Any]:
+    """A stream's ``error`` event (OpenAI's ResponseErrorEvent, which its SDK yields as one)
+    for an error body's fields (errors.py). The body's own ``type`` (``server_error``, ...)
+    is left out: an event's ``type`` is what the SDK reads it as, and any other than
+    ``error`` made it take the event for another kind and end the stream without a word."""
+    return {
+        "type": "error",
+        "code": error.get("code"),
+        "message": error["message"],
+        "param": error.get("param"),
+        "sequence_number": sequence_number,
+    }
+
+
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
@@ -226,7 +243,7 @@ def usage_json(done: DoneEvent) -> dict[str, Any]:
     usage = done.usage
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -253,7 +270,9 @@ def response_json(request: dict[str, Any], state: ResponseState) -> dict[str, An
         "incomplete_details": incomplete,
         "instructions": request.get("instructions"),
         "max_output_tokens": request.get("max_output_tokens"),
-        "metadata": request.get("metadata") or {},
+        # A record stored before metadata was checked may hold a lone surrogate: shown as
+        # U+FFFD, so the response can still be read.
+        "metadata": encodable(request.get("metadata") or {}),
         "model": request["model"],
         "output": output_items(request["job_id"], state),
         "parallel_tool_calls": request.get("parallel_tool_calls", True),

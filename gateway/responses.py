@@ -23,7 +23,7 @@ import anyio
 import structlog
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from edgeq.core.errors import EdgeqError
@@ -39,11 +39,18 @@ from edgeq.gateway.jobs import (
     until_disconnected,
 )
 from edgeq.gateway.models import ModelNamesDep
-from edgeq.gateway.openai_api import ChatCompletionRequest
+from edgeq.gateway.openai_api import (
+    ChatCompletionRequest,
+    Metadata,
+    RequestBody,
+    RequestPart,
+    field_error,
+)
 from edgeq.gateway.response_events import (
     TERMINAL_STATUSES,
     ResponseEvents,
     ResponseState,
+    error_event,
     final_state,
     job_id_of,
     response_json,
@@ -66,7 +73,7 @@ RENAMED_FIELDS = (
 # --- the request -----------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
+class _Strict(RequestPart):
     # A field edgeq does not know is refused with a 400 naming it, never silently dropped.
     model_config = ConfigDict(extra="forbid")
 
@@ -135,7 +142,14 @@ class TextConfig(_Strict):
     format: TextFormat | None = None
 
 
-class CreateResponse(_Strict):
+#: The input items and content parts edgeq reads; any other is refused by its name.
+INPUT_ITEM_TYPES = (None, "message", "function_call", "function_call_output")
+CONTENT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+class CreateResponse(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
@@ -149,10 +163,37 @@ class CreateResponse(_Strict):
     stream: bool = False
     background: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: Metadata | None = None
     previous_response_id: str | None = None
     user: str | None = None  # OpenAI's end-user tag: changes nothing in the answer
     seed: int | None = None  # edgeq's (and vLLM's) extension, sent as the SDK's extra_body
+
+    @classmethod
+    def check_raw(cls, data: Any) -> Any:
+        """An input item or content part edgeq does not read (an image, a file, a reasoning
+        item) is refused by name, not with every way the input's union failed to match it."""
+        items = data.get("input") if isinstance(data, dict) else None
+        for index, item in enumerate(items if isinstance(items, list) else ()):
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") not in INPUT_ITEM_TYPES:
+                raise field_error(
+                    f"input.{index}",
+                    f"input.{index}: {item.get('type')!r} items are not supported by edgeq "
+                    f"(messages, function_call and function_call_output items)",
+                    code="unsupported",
+                )
+            content = item.get("content")
+            for part_index, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in CONTENT_PART_TYPES:
+                    where = f"input.{index}.content.{part_index}"
+                    raise field_error(
+                        where,
+                        f"{where}: {kind} is not supported by edgeq (text parts only: input_text)",
+                        code="unsupported",
+                    )
+        return data
 
     def messages(self) -> list[dict[str, Any]]:
         """The input as edgeq's chat messages (the instructions are not among them)."""
@@ -317,8 +358,11 @@ async def create_response(
     try:
         job, _ = await submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
     except ApiError as error:  # named as the chat request spells them: say it the Responses way
+        body = error.body["error"]
         for chat_name, name in RENAMED_FIELDS:
-            error.body["error"]["message"] = error.body["error"]["message"].replace(chat_name, name)
+            body["message"] = body["message"].replace(chat_name, name)
+            if body["param"] is not None:
+                body["param"] = body["param"].replace(chat_name, name)
         raise
     record = {
         "job_id": job.job_id,
@@ -437,8 +481,7 @@ async def _live(
     except EdgeqError as error:
         # Not one of the response's events: it carries the number of the last one sent, so
         # a client that resumes after it (starting_after) misses nothing.
-        failure = client_error(error)
-        yield sse({"type": "error", "sequence_number": mapper.sequence, **failure.body["error"]})
+        yield sse(error_event(client_error(error).body["error"], mapper.sequence))
     finally:
         if job is not None:
             if not ended and cancel_on_leave:

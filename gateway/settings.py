@@ -13,6 +13,10 @@ from edgeq.core.logs import LogLevel
 from edgeq.core.scheduling import TENANT_PATTERN
 from edgeq.core.settings import ConnectionSettings
 
+#: What a JSON body may hold beyond the job's payload (EDGEQ_MAX_REQUEST_BYTES): the fields
+#: edgeq ignores and the framing its payload drops.
+JSON_MARGIN_BYTES = 64 * 1024
+
 CommaList = Annotated[list[str], NoDecode]
 #: (tenant, key) pairs, from ``tenant=key,tenant=key``; checked by the model validator, whose
 #: errors are the only ones that never echo the raw value (it holds the keys).
@@ -38,10 +42,12 @@ class GatewaySettings(ConnectionSettings):
     gateway_port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
     gateway_api_keys: CommaList = Field(
         default_factory=list,
+        repr=False,  # never shown, in an error either (core/settings.py)
         description="Comma-separated bearer tokens; when set, /v1/* needs one of them.",
     )
     gateway_tenant_keys: TenantKeys = Field(
         default_factory=list,
+        repr=False,
         description=(
             "Comma-separated tenant=key entries: each key is accepted like one of "
             "EDGEQ_GATEWAY_API_KEYS and fixes the tenant of every request made with it."
@@ -73,6 +79,7 @@ class GatewaySettings(ConnectionSettings):
     )
     gateway_webhooks: list[WebhookEndpoint] = Field(
         default_factory=list,
+        repr=False,  # their secrets
         description=(
             'JSON list of webhook endpoints, [{"url": ..., "secret": "whsec_...", "tenant": '
             "...}]: each gets every ended response (or only its tenant's), signed with its secret."
@@ -95,6 +102,23 @@ class GatewaySettings(ConnectionSettings):
     )
     gateway_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long open requests may still finish."
+    )
+    # The door (gateway/door.py): what a request may cost before its body is read.
+    gateway_max_body_bytes: int | None = Field(
+        None,
+        ge=1024,
+        description=(
+            "Largest JSON request body, in bytes, as sent (\\u escapes count as sent); "
+            "unset: EDGEQ_MAX_REQUEST_BYTES plus 64 KiB of JSON framing. Bigger bodies get 413 "
+            "before they are read."
+        ),
+    )
+    gateway_body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "A request's body must have arrived this long after the request began (else 408)."
+        ),
     )
     # OpenAI's Files and Batches (gateway/batch_store.py, docs/batches.md).
     gateway_file_max_bytes: int = Field(
@@ -211,6 +235,13 @@ class GatewaySettings(ConnectionSettings):
                     f"EDGEQ_GATEWAY_API_KEYS; give it in one of the two"
                 )
         return self
+
+    @property
+    def json_body_max_bytes(self) -> int:
+        """The largest JSON body the door lets in (door.py)."""
+        if self.gateway_max_body_bytes is not None:
+            return self.gateway_max_body_bytes
+        return self.max_request_bytes + JSON_MARGIN_BYTES
 
     @property
     def auth_required(self) -> bool:

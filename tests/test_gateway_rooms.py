@@ -169,7 +169,9 @@ def test_each_client_error_gets_the_status_an_openai_sdk_retries_or_not(
     assert api_error.status == status
     # A failed job's body carries its own sentence, not JobFailed's prefixed one.
     message = error.message if isinstance(error, JobFailed) else str(error)
-    assert api_error.body == openai_error(message, type, code)
+    # An invalid request's message starts with the field at fault: that is its param.
+    param = "temperature" if isinstance(error, InvalidRequest) else None
+    assert api_error.body == openai_error(message, type, code, param)
     assert api_error.headers is None  # only a full queue says when to come back
 
 

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from edgeq.cli import main
 from edgeq.core.errors import ConfigError
 from edgeq.core.settings import load_settings
 from edgeq.exit_codes import EXIT_CONFIG
@@ -70,3 +71,63 @@ def test_edgeq_gateway_stops_on_a_bad_tenant_entry_naming_it_but_not_the_key() -
     assert ran.returncode == EXIT_CONFIG, ran.stderr
     assert "EDGEQ_GATEWAY_TENANT_KEYS: entry 2" in ran.stderr
     assert SECRET.rstrip("=") not in ran.stderr + ran.stdout
+
+
+#: A value each gateway setting refuses; numbers and switches get a word (below).
+BAD_VALUES = {
+    "redis_url": "http://127.0.0.1:6379",
+    "queue": "",
+    "tenant": "-not-a-tenant",
+    "gateway_host": "",
+    "model": "",
+    "gateway_tenant_keys": f"nightly={SECRET},night ly=sk-{SECRET}",
+    "gateway_webhooks": f'[{{"url": "http://h/hook", "secret": "{SECRET[:7]}"}}]',
+    "log_level": "loud",
+}
+#: Settings no value is wrong for (every comma-separated list of strings is one).
+ANY_VALUE_GOES = {"gateway_api_keys", "gateway_model_aliases"}
+
+
+def bad_value(name: str) -> str:
+    if name in BAD_VALUES:
+        return BAD_VALUES[name]
+    annotation = GatewaySettings.model_fields[name].annotation
+    if annotation is bool:
+        return "maybe"
+    assert annotation in (int, float, int | None, float | None), f"{name}: add a bad value"
+    return "many"
+
+
+@pytest.mark.parametrize("name", sorted(set(GatewaySettings.model_fields) - ANY_VALUE_GOES))
+def test_every_gateway_setting_with_a_bad_value_stops_it_with_78_and_one_line_and_no_secret(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    variable = f"EDGEQ_{name.upper()}"
+    monkeypatch.setenv(variable, bad_value(name))
+    with pytest.raises(ConfigError):  # refused, so the command below never starts a server
+        load_settings(GatewaySettings)
+    assert main(["gateway"]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("edgeq gateway: invalid settings: ")
+    assert variable in err
+    assert SECRET[:7] not in err
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        f'[{{"url": "http://h/hook", "secret": "{SECRET}"',  # cut short
+        f'{{"url": "http://h/hook", "secret": "{SECRET}"}}',  # an object, not a list
+        "http://h/hook",
+    ],
+)
+def test_a_malformed_webhooks_setting_stops_the_gateway_with_78_not_a_traceback(
+    value: str,
+) -> None:
+    env = {**os.environ, "EDGEQ_GATEWAY_WEBHOOKS": value}
+    ran = subprocess.run([*EDGEQ, "gateway"], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == EXIT_CONFIG, ran.stderr
+    assert ran.stderr.startswith("edgeq gateway: invalid settings: EDGEQ_GATEWAY_WEBHOOKS: ")
+    assert ran.stderr.count("\n") == 1 and "Traceback" not in ran.stderr
+    assert SECRET[:7] not in ran.stderr + ran.stdout

@@ -8,12 +8,13 @@ same environment always agree on where the queue is.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from edgeq.core.cluster import hash_tag, is_cluster_url, parse_cluster_url
 from edgeq.core.errors import ConfigError
@@ -168,18 +169,31 @@ def redacted_url(url: str) -> str:
     return QUERY_PASSWORD.sub(r"\1***", f"{scheme}{sep}{netloc}{slash}{path}")
 
 
-def describe_validation_error(error: ValidationError, prefix: str = ENV_PREFIX) -> str:
-    """One line per bad setting, naming the environment variable an operator has to fix."""
-    lines = []
+def describe_validation_error(
+    error: ValidationError, prefix: str = ENV_PREFIX, *, secret: Collection[str] = ()
+) -> str:
+    """Every bad setting on one line (a unit's journal shows it whole), each naming the
+    environment variable an operator has to fix. A value is shown only where it cannot be a
+    secret: never for the ``secret`` fields, nor for a part of a structured one (a webhook's
+    secret in EDGEQ_GATEWAY_WEBHOOKS: its path is named instead); URLs without passwords."""
+    problems = []
     for item in error.errors():
         field = str(item["loc"][0]) if item["loc"] else ""
         variable = f"{prefix}{field.upper()}" if field else "settings"
+        inner = ".".join(str(part) for part in item["loc"][1:])
         given = item.get("input")
         if isinstance(given, str) and field.endswith("url"):
             given = redacted_url(given)  # a URL may carry the Redis password
-        shown = "" if isinstance(given, dict) or not field else f" (got {given!r})"
-        lines.append(f"{variable}: {item['msg']}{shown}")
-    return "invalid settings:\n  " + "\n  ".join(lines)
+        hidden = isinstance(given, dict) or not field or field in secret or bool(inner)
+        shown = "" if hidden else f" (got {given!r})"
+        where = f"{variable}: {inner}: " if inner else f"{variable}: " if field else ""
+        problems.append(f"{where}{item['msg'].removeprefix('Value error, ')}{shown}")
+    return "invalid settings: " + "; ".join(problems)
+
+
+def secret_fields(cls: type[BaseSettings]) -> frozenset[str]:
+    """The settings whose values are never shown: those declared with ``repr=False``."""
+    return frozenset(name for name, field in cls.model_fields.items() if not field.repr)
 
 
 def load_settings(
@@ -198,4 +212,16 @@ def load_settings(
     try:
         return cls(**overrides)
     except ValidationError as error:
-        raise ConfigError(describe_validation_error(error)) from None
+        raise ConfigError(describe_validation_error(error, secret=secret_fields(cls))) from None
+    except SettingsError as error:  # a structured value (JSON) that does not even parse
+        raise ConfigError(describe_settings_error(error)) from None
+
+
+def describe_settings_error(error: SettingsError) -> str:
+    """pydantic-settings' error for a value it could not decode, naming the variable and
+    the decoder's reason (which never quotes the value) instead of a traceback."""
+    named = re.search(r'field "([^"]+)"', str(error))
+    variable = f"{ENV_PREFIX}{named.group(1).upper()}" if named else "settings"
+    cause = error.__cause__
+    reason = f"not valid JSON ({cause})" if isinstance(cause, ValueError) else "cannot be read"
+    return f"invalid settings: {variable}: {reason}"
