@@ -44,6 +44,10 @@ class WorkerState:
     #: With LoRA off: the registered adapters this worker cannot serve, with why.
     adapters_refused: dict[str, str] = field(default_factory=dict)
     background: list[asyncio.Task[None]] = field(default_factory=list)
+    #: When the engine was found stalled (time.time()): it held work and made no step for
+    #: EDGEQ_ENGINE_STALL_S (worker/liveness.py); None while it makes progress. No job is
+    #: claimed meanwhile.
+    stalled_since: float | None = None
 
     @property
     def ready_engine(self) -> Engine:
