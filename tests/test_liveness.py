@@ -168,3 +168,53 @@ async def test_a_worker_whose_engine_froze_stops_claiming_and_its_chats_go_on_el
                 pass
         stuck.stop(signal.SIGKILL)
         healthy.stop()
+
+
+async def test_a_stall_that_ends_before_the_exit_setting_loses_nothing(
+    tiny_model: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    queue = f"edgeq:test-{uuid.uuid4().hex[:8]}"
+    env = engine_env(tiny_model, redis_server.url, queue) | {
+        "EDGEQ_ENGINE_STALL_S": str(STALL_S),
+        "EDGEQ_ENGINE_STALL_EXIT_S": str(DEADLINE_S * 2),  # the test resumes it long before
+        "PYTHONUNBUFFERED": "1",
+    }
+    worker = WorkerProcess(env, tmp_path / "worker.log").start()
+    engine: list[psutil.Process] = []
+    try:
+        worker.wait_ready()
+        engine = engine_of(worker)
+        async with ChatClient(redis_url=redis_server.url, queue=queue) as client:
+
+            async def in_state(state: str) -> WorkerInfo | None:
+                workers = await live_workers(client.redis, queue)
+                return next((w for w in workers if w.state == state), None)
+
+            with suspended(engine):
+                held = await client.submit("held", max_tokens=ANSWER_TOKENS)
+                await until(lambda: in_state("stalled"), "the worker's heartbeat says stalled")
+                submitted = time.time()
+                queued = await client.submit("queued while stalled", max_tokens=ANSWER_TOKENS)
+
+                async def heard_since() -> WorkerInfo | None:
+                    info = await in_state("stalled")
+                    return info if info and info.heartbeat_at > submitted else None
+
+                # Its wake came at once; a heartbeat later, the stalled worker still runs one.
+                assert (await until(heard_since, "a heartbeat after the submit")).running == 1
+                assert not started_on(worker, {queued.job_id})
+            # The engine steps again: the worker is ready, takes what waited, and its chats
+            # end as if nothing happened (no continuation, one terminal event each).
+            await until(lambda: in_state("ready"), "the worker's heartbeat says ready again")
+            for job in (held, queued):
+                events = await asyncio.wait_for(read_whole(job), DEADLINE_S)
+                assert not assert_one_done(events).continued
+            assert logged(worker, "engine_recovered") is not None
+            assert worker.process.poll() is None
+    finally:
+        for process in engine:
+            try:
+                process.resume()
+            except psutil.NoSuchProcess:
+                pass
+        worker.stop()
