@@ -20,7 +20,7 @@ import pytest
 
 from edgeq.core.protocol import DoneEvent, ErrorEvent, StreamEvent
 from edgeq.core.registry import WorkerInfo, live_workers
-from edgeq.exit_codes import EXIT_ENGINE_STALLED
+from edgeq.exit_codes import EXIT_ENGINE_STALLED, EXIT_JOB_FAILED
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer, WorkerProcess
 from helpers import EDGEQ, engine_env, engine_of, suspended
@@ -218,3 +218,25 @@ async def test_a_stall_that_ends_before_the_exit_setting_loses_nothing(
             except psutil.NoSuchProcess:
                 pass
         worker.stop()
+
+
+async def test_a_worker_whose_engine_died_exits_with_a_code_its_supervisor_restarts_on(
+    tiny_model: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # systemd restarts the worker unit on failure only (Restart=on-failure): a worker that
+    # ended with 0 after its engine died stayed down for good.
+    queue = f"edgeq:test-{uuid.uuid4().hex[:8]}"
+    worker = WorkerProcess(engine_env(tiny_model, redis_server.url, queue), tmp_path / "w.log")
+    try:
+        worker.start().wait_ready()
+        for process in engine_of(worker):
+            process.kill()
+        async with ChatClient(redis_url=redis_server.url, queue=queue) as client:
+            job = await client.submit("into a dead engine", max_tokens=ANSWER_TOKENS)
+            events = await asyncio.wait_for(read_whole(job), DEADLINE_S)
+        assert sum(isinstance(event, DoneEvent | ErrorEvent) for event in events) == 1
+        assert isinstance(events[-1], ErrorEvent) and events[-1].code == "engine_error"
+        code = await asyncio.to_thread(worker.process.wait, DEADLINE_S)
+        assert code == EXIT_JOB_FAILED, worker.tail()
+    finally:
+        worker.stop(signal.SIGKILL)

@@ -31,6 +31,7 @@ from edgeq.core.leases import Handover, reap_lost_jobs, renew_leases
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
 from edgeq.core.tasks import cancel_and_wait
+from edgeq.exit_codes import EXIT_JOB_FAILED, EXIT_OK
 from edgeq.worker.adapters import AdapterHost
 from edgeq.worker.arq_seam import ARQ_ABORT_SET
 from edgeq.worker.engine import ChatEngine
@@ -318,7 +319,8 @@ async def serve(
     process_started: float,
     metrics: WorkerMetrics,
     engine_starter: EngineStarter = ChatEngine.start,
-) -> None:
+) -> int:
+    """Serve until signalled; the exit code (EXIT_JOB_FAILED after the engine died)."""
     state, jobs = build_worker(settings, process_started=process_started, metrics=metrics)
 
     def on_drain() -> None:
@@ -339,6 +341,7 @@ async def serve(
         )
     finally:
         await state.redis.aclose(close_connection_pool=True)
+    return EXIT_JOB_FAILED if state.engine_died else EXIT_OK
 
 
 def run_worker(
@@ -346,13 +349,14 @@ def run_worker(
     *,
     process_started: float,
     engine_starter: EngineStarter = ChatEngine.start,
-) -> None:
+) -> int:
     """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
-    EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
+    EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event. The exit code: 0, or
+    EXIT_JOB_FAILED when the engine died (its supervisor restarts the worker on it)."""
     metrics = WorkerMetrics(tenants=settings.tenancy.named_tenants)
     if settings.metrics_port:
         serve_metrics(settings.metrics_host, settings.metrics_port)
-    asyncio.run(
+    return asyncio.run(
         serve(
             settings,
             process_started=process_started,

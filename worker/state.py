@@ -48,6 +48,9 @@ class WorkerState:
     #: EDGEQ_ENGINE_STALL_S (worker/liveness.py); None while it makes progress. No job is
     #: claimed meanwhile.
     stalled_since: float | None = None
+    #: Set when a job met the engine dead: the worker then stops with EXIT_JOB_FAILED, not 0,
+    #: or its supervisor (systemd's Restart=on-failure) would leave it down.
+    engine_died: bool = False
 
     @property
     def ready_engine(self) -> Engine:
