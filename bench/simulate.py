@@ -119,8 +119,14 @@ class SimulatedEngine:
     def shutdown(self) -> None:
         self._clock.stop()
 
+    def kill(self) -> None:
+        self._clock.stop()
+
     def unfinished_requests(self) -> int:
         return len(self._requests)
+
+    def without_step_s(self) -> float:
+        return 0.0  # its clock never stops while the worker runs
 
     def answer_reader(self, request: ChatRequest) -> AnswerReader:
         return AnswerReader(request, None)

@@ -117,6 +117,13 @@ def _adapter_lines(workers: list[WorkerInfo]) -> list[str]:
     return lines
 
 
+def _state(worker: WorkerInfo, now_s: float) -> str:
+    """The worker's state; a stalled one's with how long ago its engine was found stalled."""
+    if worker.state == "stalled" and worker.stalled_since is not None:
+        return f"stalled {max(0.0, now_s - worker.stalled_since):.0f} s"
+    return worker.state
+
+
 def render_status(status: QueueStatus) -> str:
     lines = [
         f"queue {status.queue} on {status.redis_url}",
@@ -129,7 +136,7 @@ def render_status(status: QueueStatus) -> str:
         for worker in status.workers:
             rows.append([
                 worker.worker_id,
-                worker.state,
+                _state(worker, status.checked_at),
                 worker.device,
                 worker.model,
                 worker.profile or "-",

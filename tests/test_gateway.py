@@ -27,6 +27,7 @@ from edgeq.bench.workload import WorkloadSpec, build_workload, load_tokenizer
 from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import job_key, tenant_of_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, Timings, Usage
+from edgeq.core.registry import WorkerInfo, publish_heartbeat, remove_worker
 from edgeq.core.scheduling import BAND_SPAN
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import (
@@ -554,6 +555,25 @@ async def test_ready_says_a_warm_worker_serves_the_queue(gateway: str) -> None:
         ready = await http.get("/ready")
     assert ready.status_code == 200
     assert ready.json()["workers"] >= 1
+
+
+async def test_ready_counts_no_stalled_worker_and_says_so(
+    unserved_gateway: str, unserved_client: ChatClient
+) -> None:
+    # The record a worker whose engine stalled writes with its heartbeat (worker/liveness.py).
+    stalled = WorkerInfo(
+        worker_id="box:4242", host="box", pid=4242, queue=UNSERVED_QUEUE, model="m", profile=None,
+        device="cpu", state="stalled", stalled_since=time.time() - 5, running=2, max_jobs=8,
+        metrics_port=None, started_at=time.time() - 60, heartbeat_at=time.time(),
+    )  # fmt: skip
+    await publish_heartbeat(unserved_client.redis, stalled, ttl_s=30)
+    try:
+        async with httpx.AsyncClient(base_url=unserved_gateway.removesuffix("/v1")) as http:
+            ready = await http.get("/ready")
+    finally:
+        await remove_worker(unserved_client.redis, UNSERVED_QUEUE, stalled.worker_id)
+    assert ready.status_code == 503
+    assert "1 stalled" in ready.json()["reason"], ready.json()
 
 
 def test_langchain_chat_openai_streams_through_the_gateway_as_in_the_seed(

@@ -84,3 +84,20 @@ async def test_keep_watchdog_pings_until_cancelled(
         except BlockingIOError:
             break
     assert len(pings) >= 3 and set(pings) == {b"WATCHDOG=1"}
+
+
+async def test_keep_watchdog_sends_nothing_while_the_worker_is_not_healthy(
+    receiver: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stalled engine (worker/liveness.py): systemd's watchdog is left to run out.
+    monkeypatch.setenv("NOTIFY_SOCKET", receiver.getsockname())
+    healthy = asyncio.Event()
+    task = asyncio.create_task(keep_watchdog(0.01, healthy=lambda: healthy.is_set()))
+    await asyncio.sleep(0.1)
+    receiver.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        receiver.recv(64)
+    healthy.set()
+    ping = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(receiver, 64), 5)
+    assert ping == b"WATCHDOG=1"  # pings again once it is
+    task.cancel()

@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Literal
 
 import structlog
 
@@ -30,12 +31,14 @@ from edgeq.core.leases import Handover, reap_lost_jobs, renew_leases
 from edgeq.core.registry import WorkerInfo, publish_heartbeat, queue_depth, remove_worker
 from edgeq.core.scheduling import publish_tenancy, queued_by_tenant
 from edgeq.core.tasks import cancel_and_wait
+from edgeq.exit_codes import EXIT_JOB_FAILED, EXIT_OK
 from edgeq.worker.adapters import AdapterHost
 from edgeq.worker.arq_seam import ARQ_ABORT_SET
 from edgeq.worker.engine import ChatEngine
 from edgeq.worker.engine_api import Engine
 from edgeq.worker.jobs import chat
 from edgeq.worker.lifecycle import JobLoop, LoopConfig, run_until_signalled
+from edgeq.worker.liveness import watch_engine
 from edgeq.worker.metrics import WorkerMetrics, serve_metrics
 from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
 from edgeq.worker.settings import WorkerSettings
@@ -58,6 +61,12 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def worker_state(state: WorkerState) -> Literal["ready", "draining", "stalled"]:
+    if state.draining.is_set():
+        return "draining"
+    return "stalled" if state.stalled_since is not None else "ready"
+
+
 def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
     settings = state.settings
     return WorkerInfo(
@@ -68,7 +77,8 @@ def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
         model=settings.model,
         profile=settings.profile,
         device=state.device,
-        state="draining" if state.draining.is_set() else "ready",
+        state=worker_state(state),
+        stalled_since=state.stalled_since,
         running=len(state.running),
         running_by_tenant=running_by_tenant(state),
         adapters=state.adapters.names if state.adapters else [],
@@ -188,8 +198,14 @@ async def start_adapters(state: WorkerState, engine: Engine) -> None:
     state.background.append(asyncio.create_task(follow_adapter_registry(state, host)))
 
 
-async def start_engine(state: WorkerState, *, starter: EngineStarter = ChatEngine.start) -> None:
-    """Build and warm the engine before the first job is claimed."""
+async def start_engine(
+    state: WorkerState,
+    *,
+    starter: EngineStarter = ChatEngine.start,
+    resume_claims: Callable[[], None] = lambda: None,
+) -> None:
+    """Build and warm the engine before the first job is claimed; ``resume_claims``: what
+    the liveness watch calls when a stalled engine steps again (the job loop's wake)."""
     settings = state.settings
     # First, so producers' enqueues apply this box's weights and caps while the engine builds.
     await publish_tenancy(state.redis, settings.queue, settings.tenancy)
@@ -223,8 +239,18 @@ async def start_engine(state: WorkerState, *, starter: EngineStarter = ChatEngin
         since_process_start_s=round(time.monotonic() - state.process_started, 2),
     )
     notify(f"READY=1\nSTATUS=warm, serving {settings.queue} with {settings.model}")
+    start_watches(state, resume_claims)
+
+
+def start_watches(state: WorkerState, resume_claims: Callable[[], None]) -> None:
+    """The engine's liveness watch (worker/liveness.py) and systemd's watchdog pings, which
+    stop while the engine is stalled."""
+    if state.settings.engine_stall_s > 0:
+        watch = watch_engine(state, worker_id=worker_id(), resume_claims=resume_claims)
+        state.background.append(asyncio.create_task(watch))
     if (interval_s := watchdog_interval_s()) is not None:
-        state.background.append(asyncio.create_task(keep_watchdog(interval_s)))
+        pings = keep_watchdog(interval_s, healthy=lambda: state.stalled_since is None)
+        state.background.append(asyncio.create_task(pings))
 
 
 async def stop_engine(state: WorkerState) -> None:
@@ -282,6 +308,7 @@ def build_worker(
         serializer=dump_json,
         not_finished_here=state.not_finished_here,
         count_not_started=metrics.job_ended,
+        may_claim=lambda: state.stalled_since is None,
     )
     return state, jobs
 
@@ -292,7 +319,8 @@ async def serve(
     process_started: float,
     metrics: WorkerMetrics,
     engine_starter: EngineStarter = ChatEngine.start,
-) -> None:
+) -> int:
+    """Serve until signalled; the exit code (EXIT_JOB_FAILED after the engine died)."""
     state, jobs = build_worker(settings, process_started=process_started, metrics=metrics)
 
     def on_drain() -> None:
@@ -306,13 +334,14 @@ async def serve(
     try:
         await run_until_signalled(
             jobs,
-            start=partial(start_engine, state, starter=engine_starter),
+            start=partial(start_engine, state, starter=engine_starter, resume_claims=jobs.wake),
             stop=partial(stop_engine, state),
             on_drain=on_drain,
             drain_timeout_s=settings.drain_timeout_s,
         )
     finally:
         await state.redis.aclose(close_connection_pool=True)
+    return EXIT_JOB_FAILED if state.engine_died else EXIT_OK
 
 
 def run_worker(
@@ -320,13 +349,14 @@ def run_worker(
     *,
     process_started: float,
     engine_starter: EngineStarter = ChatEngine.start,
-) -> None:
+) -> int:
     """Run until SIGINT/SIGTERM: stop taking jobs, let running chats finish for up to
-    EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event."""
+    EDGEQ_DRAIN_TIMEOUT_S, end the rest with a `shutdown` error event. The exit code: 0, or
+    EXIT_JOB_FAILED when the engine died (its supervisor restarts the worker on it)."""
     metrics = WorkerMetrics(tenants=settings.tenancy.named_tenants)
     if settings.metrics_port:
         serve_metrics(settings.metrics_host, settings.metrics_port)
-    asyncio.run(
+    return asyncio.run(
         serve(
             settings,
             process_started=process_started,

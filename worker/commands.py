@@ -19,7 +19,7 @@ from edgeq.core.connection import redis_errors
 from edgeq.core.errors import ConfigError, RedisUnavailable
 from edgeq.core.logs import configure_logging
 from edgeq.core.settings import load_settings
-from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+from edgeq.exit_codes import EXIT_CONFIG, EXIT_JOB_FAILED, EXIT_UNAVAILABLE
 from edgeq.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:  # the app module imports vLLM
@@ -54,11 +54,10 @@ def run_worker_command(
         # one, or a certificate that does not verify, ends the start at once with 69.
         with redis_errors(settings.redis_url):
             if engine_starter is None:
-                run_worker(settings, process_started=process_started)
-            else:
-                run_worker(
-                    settings, process_started=process_started, engine_starter=engine_starter()
-                )
+                return run_worker(settings, process_started=process_started)
+            return run_worker(
+                settings, process_started=process_started, engine_starter=engine_starter()
+            )
     except ConfigError as error:
         print(f"edgeq worker: {error}", file=sys.stderr)
         return EXIT_CONFIG
@@ -70,7 +69,6 @@ def run_worker_command(
         log.exception("worker_failed", error=f"{type(error).__name__}: {error}")
         print(f"edgeq worker: stopped: {type(error).__name__}: {error}", file=sys.stderr)
         return EXIT_JOB_FAILED
-    return EXIT_OK
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import os
 import shutil
@@ -64,7 +65,9 @@ from vllm.config import StructuredOutputsConfig  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
+from edgeq.worker.liveness import StepWatch  # noqa: E402
 from edgeq.worker.structured import AnswerReader, structured_outputs  # noqa: E402
 
 
@@ -236,6 +239,23 @@ class RequestRules:
         )
 
 
+class StepSignal(StatLoggerBase):
+    """A vLLM stat logger that only notes each engine step in a StepWatch (worker/liveness.py).
+
+    With stats on, the engine core sends its scheduler stats after every step, a chunk of a
+    prefill that yields no token included, and AsyncLLM hands them to its stat loggers on the
+    worker's event loop: one call per step, whatever the requests' outputs."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0, *, watch: StepWatch) -> None:
+        self.watch = watch
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        self.watch.stepped()
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
 class ChatEngine:
     """One AsyncLLM for the life of the worker, plus its tokenizer and the box's defaults."""
 
@@ -246,8 +266,10 @@ class ChatEngine:
         settings: WorkerSettings,
         processes: Sequence[ProcessId] = (),
         ipc_dir: str | None = None,
+        steps: StepWatch | None = None,
     ) -> None:
         self.llm = llm
+        self.steps = steps or StepWatch()  # fed by StepSignal, from the engine's stats
         self._processes = list(processes)  # the engine's own VLLM:: processes
         self._ipc_dir = ipc_dir  # its sockets' directory, removed once it stopped
         self.settings = settings
@@ -269,13 +291,17 @@ class ChatEngine:
         """Build the engine (blocking: model load and KV allocation happen in its processes)."""
         os.environ[NICE_ENV] = str(settings.engine_nice)  # read by the processes it spawns
         others = set(engine_pids(os.getpid(), own=True))  # engines this process already runs
+        steps = StepWatch()
         with private_ipc_dir() as ipc_dir:
-            llm = AsyncLLM.from_engine_args(engine_args(settings))
+            llm = AsyncLLM.from_engine_args(
+                engine_args(settings),
+                stat_loggers=[functools.partial(StepSignal, watch=steps)],
+            )
         processes = identify(pid for pid in engine_pids(os.getpid(), own=True) if pid not in others)
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM releases
             tokenizer = await tokenizer
-        return cls(llm, tokenizer, settings, processes, ipc_dir)
+        return cls(llm, tokenizer, settings, processes, ipc_dir, steps)
 
     async def warm_up(self) -> None:
         """One short generation, so the first real job does not pay for lazy initialisation."""
@@ -303,11 +329,19 @@ class ChatEngine:
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """Kill the engine's processes (a stalled engine answers no shutdown), returning once
+        they are gone, so a restarted worker does not find their memory still held."""
+        kill_and_wait(self._processes, ENGINE_EXIT_WAIT_S)
+
     def answer_reader(self, request: ChatRequest) -> AnswerReader:
         return AnswerReader(request, self._tokenizer)
 
     def unfinished_requests(self) -> int:
         return int(self.llm.get_num_unfinished_requests())
+
+    def without_step_s(self) -> float:
+        return self.steps.without_step_s(busy=self.unfinished_requests() > 0)
 
     async def render(
         self,
@@ -360,6 +394,7 @@ class ChatEngine:
         Under EDGEQ_ENGINE_SCHEDULING=priority the engine schedules a higher class first.
         ``lora_request``: an adapter already loaded (worker/adapters.py); one that is not
         would be loaded from disk inside the engine, which dies of a bad one."""
+        self.steps.work_added(idle=self.unfinished_requests() == 0)
         stream = self.llm.generate(
             {"prompt_token_ids": prompt_token_ids},
             params,

@@ -68,10 +68,20 @@ class Engine(Protocol):
         """Requests the engine still holds (for the log line of a stopped job)."""
         ...
 
+    def without_step_s(self) -> float:
+        """Seconds the engine has held work without making a step; 0 when it holds none
+        (worker/liveness.py)."""
+        ...
+
     def answer_reader(self, request: ChatRequest) -> AnswerReader:
         """What turns the streamed text into the answer (tool calls parsed back)."""
         ...
 
     def shutdown(self) -> None:
         """Stop, returning once the engine's processes are gone (blocking)."""
+        ...
+
+    def kill(self) -> None:
+        """Kill the engine's processes without asking (a stalled engine), returning once they
+        are gone (blocking)."""
         ...

@@ -183,6 +183,7 @@ async def _end_with(
     failure = await _fail(publisher, ending) if ending.publish else ending.as_result()
     if isinstance(error, EngineDeadError):
         log.error("engine_dead", action="stopping worker so its supervisor restarts it")
+        state.engine_died = True
         os.kill(os.getpid(), signal.SIGTERM)
     return failure
 

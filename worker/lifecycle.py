@@ -129,6 +129,8 @@ class JobLoop:
     not_finished_here: set[str] = field(default_factory=set)
     #: Called with the error code of each job failed before it started (metrics).
     count_not_started: Callable[[str], None] = lambda code: None
+    #: False while the engine is stalled (worker/liveness.py): no claims until it steps.
+    may_claim: Callable[[], bool] = lambda: True
     #: Running jobs: id -> the task running it.
     running: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     #: False once a drain began: no more claims.
@@ -159,7 +161,7 @@ class JobLoop:
 
     async def _poll(self) -> None:
         try:
-            if self.accepting and len(self.running) < self.config.max_jobs:
+            if self.accepting and self.may_claim() and len(self.running) < self.config.max_jobs:
                 await self._claim_and_start()
             # Aborts every poll delay, not on every wake and job end: that round trip would
             # stand between a wake that came during it and the next claim.
@@ -171,6 +173,10 @@ class JobLoop:
                 "redis_unavailable", error=f"{type(error).__name__}: {error}{tls_hint(error)}"
             )
             await asyncio.sleep(REDIS_RETRY_S)
+
+    def wake(self) -> None:
+        """Look for jobs now (claims may have been held)."""
+        self._work.set()
 
     async def _wait_for_work(self) -> None:
         busy = bool(self.running) or not self.accepting
@@ -316,9 +322,7 @@ class JobLoop:
         ending: Ending = not_started(reason)
         now_ms = int(time.time() * 1000)
         self.count_not_started(ending.code.value)
-        event = ErrorEvent(
-            job_id=job.job_id, seq=0, code=ending.code.value, message=ending.message
-        )
+        event = ErrorEvent(job_id=job.job_id, seq=0, code=ending.code.value, message=ending.message)
         # The event first, as a job that ran ends: should Redis fail in between, the lease
         # taken at the claim stays, and its expiry ends the job or hands it to a next claim.
         try:

@@ -127,6 +127,12 @@ class WorkerMetrics:
             registry=registry,
         )
 
+        self.engine_stalls = Counter(
+            "edgeq:engine_stalls",
+            "Times the engine held work and made no step for EDGEQ_ENGINE_STALL_S "
+            "(the worker then takes no jobs until it steps again, or ends itself).",
+            registry=registry,
+        )
         self.adapter_requests = Counter(
             "edgeq:adapter_requests",
             'Jobs started, by the LoRA adapter they ran with ("base": the base model).',

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 
 import structlog
 
@@ -49,8 +50,11 @@ def watchdog_interval_s() -> float | None:
     return usec / 2 / 1_000_000 if usec > 0 else None
 
 
-async def keep_watchdog(interval_s: float) -> None:
-    """Ping the watchdog from the event loop: a loop stuck for WatchdogSec= gets restarted."""
+async def keep_watchdog(interval_s: float, healthy: Callable[[], bool] = lambda: True) -> None:
+    """Ping the watchdog from the event loop while ``healthy()``: a loop stuck for
+    WatchdogSec= gets restarted, and so does a worker whose engine stalled and did not end
+    itself first (worker/liveness.py)."""
     while True:
-        notify("WATCHDOG=1")
+        if healthy():
+            notify("WATCHDOG=1")
         await asyncio.sleep(interval_s)

@@ -177,6 +177,12 @@ class WorkerSettings(ConnectionSettings):
     # worker stops generating it; its lease cannot run out meanwhile (core/leases.py).
     redis_outage_s: float = Field(60.0, gt=0)
     abandon_after_s: float = Field(30.0, ge=0)
+    # Liveness by progress (worker/liveness.py): the engine holding work with no step for
+    # engine_stall_s is stalled (no new jobs, no watchdog pings); stalled for engine_stall_exit_s
+    # more, the worker hands its jobs over and exits. Far above the longest step measured
+    # (docs/configuration.md, "Liveness"); 0 turns the watch off.
+    engine_stall_s: float = Field(60.0, ge=0)
+    engine_stall_exit_s: float = Field(30.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     keep_result_s: float = Field(60.0, ge=0)
     warmup: bool = True

@@ -44,6 +44,13 @@ class WorkerState:
     #: With LoRA off: the registered adapters this worker cannot serve, with why.
     adapters_refused: dict[str, str] = field(default_factory=dict)
     background: list[asyncio.Task[None]] = field(default_factory=list)
+    #: When the engine was found stalled (time.time()): it held work and made no step for
+    #: EDGEQ_ENGINE_STALL_S (worker/liveness.py); None while it makes progress. No job is
+    #: claimed meanwhile.
+    stalled_since: float | None = None
+    #: Set when a job met the engine dead: the worker then stops with EXIT_JOB_FAILED, not 0,
+    #: or its supervisor (systemd's Restart=on-failure) would leave it down.
+    engine_died: bool = False
 
     @property
     def ready_engine(self) -> Engine:

@@ -53,6 +53,12 @@ async def renew_leases(redis: Redis, queue: str, job_ids: list[str], *, ttl_s: f
         await renew(keys=[leases_key(queue)], args=[int(ttl_s * 1000), *job_ids])
 
 
+async def expire_leases(redis: Redis, queue: str, job_ids: list[str]) -> None:
+    """Let these jobs' leases run out now: the next keep-alive round of any worker (or a
+    waiting client) hands them over, as if their worker had died (a stalled worker's end)."""
+    await renew_leases(redis, queue, job_ids, ttl_s=0)
+
+
 async def release_lease(redis: Redis, queue: str, job_id: str) -> None:
     await redis.zrem(leases_key(queue), job_id)
 

@@ -35,7 +35,11 @@ class WorkerInfo(BaseModel):
     model: str
     profile: str | None
     device: str
-    state: Literal["starting", "ready", "draining"]
+    #: "stalled": its engine holds work and made no step for EDGEQ_ENGINE_STALL_S; it takes
+    #: no jobs (worker/liveness.py). Only "ready" workers count for the gateway's /ready.
+    state: Literal["starting", "ready", "draining", "stalled"]
+    #: When it was found stalled (Unix seconds); None unless ``state`` is "stalled".
+    stalled_since: float | None = None
     running: int
     running_by_tenant: dict[str, int] = {}
     #: The LoRA adapters it serves now, and those it refused with why (core/adapters.py).
