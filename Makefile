@@ -26,7 +26,7 @@ test-fast: system-deps $(INSTALLED) lint  ## everything but the engine tests, in
 # engines and the tests themselves want. A test that passes here does not hope for a fast or a
 # slow machine (docs/development.md, "Tests that race nothing").
 STRESS_FILES ?= tests/test_adapters.py tests/test_responses_faults.py tests/test_batches.py \
-	tests/test_leases.py tests/test_chat_e2e.py tests/chaos/test_guarantees.py
+	tests/test_leases.py tests/test_chat_e2e.py tests/test_liveness.py tests/chaos/test_guarantees.py
 STRESS_COUNT ?= 2
 STRESS_CPU ?= 2
 
