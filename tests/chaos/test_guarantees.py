@@ -23,9 +23,10 @@ from redis.asyncio import Redis
 
 from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
 from edgeq.core.events import finished_with
-from edgeq.core.keys import in_progress_key, leases_key
+from edgeq.core.keys import events_key, in_progress_key, leases_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, load_json
 from edgeq.producer.client import ChatClient
+from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import RedisServer, WorkerProcess, free_port
 from edgeq.worker.engine_processes import engine_pids, identify, wait_until_gone
 from helpers import (
@@ -493,19 +494,30 @@ async def test_chats_given_up_in_an_outage_past_the_limit_are_continued_when_red
     records and lease once Redis was back, so nothing was left to continue it, and its client
     waited for an end that never came."""
     lease_ttl_s = BUSY_LEASE_TTL_S
+    hold = EngineHold(tmp_path / "hold")
     worker = start_workers(
         tiny_model, acl_url(auth_redis), tmp_path, "outage",
-        EDGEQ_LEASE_TTL_S=str(lease_ttl_s), EDGEQ_REDIS_OUTAGE_S="1",
+        EDGEQ_LEASE_TTL_S=str(lease_ttl_s), EDGEQ_REDIS_OUTAGE_S="1", **hold.env(),
     )[0]  # fmt: skip
     client = ChatClient(redis_url=acl_url(auth_redis), queue="edgeq:chaos", lease_ttl_s=lease_ttl_s)
     try:
+        # The engine stops once a chat has 8 tokens, until Redis is gone: a chat that has
+        # started cannot have ended before the outage, however fast this machine is (under
+        # `make test-stress` all three had ended before Redis stopped, and none was given up).
+        # Released during the outage, each goes on until a publish (its done included) has
+        # been refused for longer than the limit: given up.
+        hold.arm(after_tokens=8)
         jobs = [
             await client.submit(f"outage {i}", max_tokens=3 * LONG // 2, seed=FULL_LENGTH_SEED)
             for i in range(3)
         ]
-        streams = [job.stream() for job in jobs]
-        seen = [[first] for first in await asyncio.gather(*(anext(stream) for stream in streams))]
+        async with asyncio.timeout(60):  # one chat generating (which one the claims decide)
+            while not await client.redis.exists(*(events_key(job.job_id) for job in jobs)):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        streams = [job.stream() for job in jobs]  # read from the start: the replay buffer
+        seen: list[list[StreamEvent]] = [[], [], []]
         auth_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
+        hold.release()
         await asyncio.sleep(3.0)  # past the 1 s outage limit: the generating chats are given up
         auth_redis.start()
 
@@ -536,6 +548,7 @@ async def test_chats_given_up_in_an_outage_past_the_limit_are_continued_when_red
             f"{given_up} / {continued}"
         )
     finally:
+        hold.release()
         worker.stop()
         await client.aclose()
 
