@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,19 @@ from edgeq.core.leases import (
 )
 from edgeq.core.protocol import DeltaEvent, ErrorEvent
 from edgeq.testing.processes import RedisServer
+
+# These tests name their jobs ("silent", "crashed", ...): each gets a database of its own,
+# emptied first, so that a test run again (make test-stress repeats it) does not meet the
+# records of its last run (it did: "its stream has already ended").
+LEASES_DB = 7
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    connection = Redis.from_url(redis_server.url.rsplit("/", 1)[0] + f"/{LEASES_DB}")
+    await connection.flushdb()
+    yield connection
+    await connection.aclose()
 
 
 @pytest.fixture(autouse=True)
