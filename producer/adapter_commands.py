@@ -35,15 +35,18 @@ POLL_S = 0.25
 async def _settled(
     redis: Redis, queue: str, name: str, *, loaded: bool, wait_s: float
 ) -> list[WorkerInfo]:
-    """The live workers once each serves ``name`` or refused it (``loaded``), or serves it no
-    more (not ``loaded``), or when ``wait_s`` ran out."""
+    """The live workers once each serves ``name`` or refused it (``loaded``), or neither serves
+    nor refuses it any more (not ``loaded``), or when ``wait_s`` ran out. An unload waits for
+    the refusal to go too: a ``load`` of the same name right after it would otherwise take the
+    old refusal for its answer, and the worker, once it synced, would drop it and report
+    nothing (make test-stress found it)."""
     deadline = time.monotonic() + wait_s
     while True:
         workers = await live_workers(redis, queue)
         if loaded:
             done = all(name in w.adapters or name in w.adapters_refused for w in workers)
         else:
-            done = all(name not in w.adapters for w in workers)
+            done = all(name not in w.adapters and name not in w.adapters_refused for w in workers)
         if done or time.monotonic() >= deadline:
             return workers
         await asyncio.sleep(POLL_S)
