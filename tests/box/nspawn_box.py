@@ -202,6 +202,11 @@ class Box:
         result = subprocess.run(
             [*self.nsenter(), *environment, *argv],
             capture_output=True, text=True, timeout=timeout,
+            # Not the test process's own environment: once vLLM was imported in it, it holds
+            # an LD_PRELOAD of the venv's libgomp, which the loader of `env` inside the box
+            # cannot find, and says so on stderr (a run where the checks' test came after an
+            # engine test failed on that line).
+            env={"PATH": os.environ.get("PATH", PATH)},
         )  # fmt: skip
         if check and result.returncode != 0:
             shown = command if isinstance(command, str) else shlex.join(command)
