@@ -32,6 +32,7 @@ from nspawn_box import PATH, Box, monotonic_us
 from edgeq.core.keys import terminal_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.producer.client import ChatClient
+from edgeq.testing.engine_hold import HOLD_ENV, EngineHold
 from helpers import FIGURES, assert_intact
 
 pytestmark = [pytest.mark.box, pytest.mark.engine, pytest.mark.timeout(900)]
@@ -43,8 +44,6 @@ QUEUE = "edgeq:queue"
 RELEASE = "0.1.0"
 LONG = 300  # tokens: still generating when something happens (tests/chaos)
 KILLED_TOKENS = 1500  # the chat killed mid-stream: seconds of work left for the restart
-FREEZE_ATTEMPTS = 3  # chats tried until one is frozen before its answer ends
-FREEZE_SETTLE_S = 0.5  # after the freeze, for the worker to publish what it already had
 FULL_LENGTH_SEED = 10  # helpers.FULL_LENGTH_SEEDS[0]: no end-of-turn within LONG tokens
 RESTART_SEC = 15  # the unit's RestartSec=
 LEASE_TTL_S = 10  # EDGEQ_LEASE_TTL_S's default
@@ -52,6 +51,9 @@ DRAIN_TIMEOUT_S = 30  # EDGEQ_DRAIN_TIMEOUT_S's default
 WATCHDOG_S = 20  # the drop-in's WatchdogSec= (shipped: 120 s)
 ENGINE_START_TIMEOUT_S = 600  # a 2-core machine shared with other test runs
 DROPINS = "/etc/systemd/system/edgeq-worker@cpu.service.d"
+# The test hold of every worker instance's engine (edgeq.testing.engine_hold, in the wheel).
+HOLD_DROPINS = "/etc/systemd/system/edgeq-worker@.service.d"
+HOLD_INSIDE = "/var/lib/edgeq/test-engine-hold"
 BAD_SETTING = "EDGEQ_MAX_NUM_SEQS=lots"
 ACTIVE_AT = "ActiveEnterTimestampMonotonic"
 
@@ -147,6 +149,18 @@ def wait_ready_again(box: Box, old_pid: int, timeout_s: float = ENGINE_START_TIM
             return int(shown["MainPID"])
         time.sleep(0.5)
     raise AssertionError(f"{WORKER} not READY again after {timeout_s} s: {box.state(WORKER)}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_hold(box: Box) -> EngineHold:
+    """Written before install.sh starts the first worker: a drop-in that gives every worker
+    instance's engine a test hold (``edgeq.testing.engine_hold``), armed only by a test that
+    needs a chat still running when it acts. The SIGKILL test removes it once used."""
+    box.run(
+        f"mkdir -p {HOLD_DROPINS} && printf '[Service]\\nEnvironment={HOLD_ENV}={HOLD_INSIDE}\\n' "
+        f">{HOLD_DROPINS}/box-test-hold.conf"
+    )
+    return EngineHold(box.root / HOLD_INSIDE.lstrip("/"))
 
 
 @pytest.fixture
@@ -264,39 +278,32 @@ async def test_a_producer_outside_the_unit_streams_a_chat_to_the_end(
 
 
 async def test_sigkill_mid_stream_restarts_the_unit_with_nothing_left_behind(
-    box: Box, client: ChatClient
+    box: Box, client: ChatClient, engine_hold: EngineHold
 ) -> None:
     before = box.cgroup_processes(WORKER)
     old_main = main_pid(box)
     assert {"VLLM::EngineCore", "VLLM::Worker"} <= set(before.values()), before
-    engine = " ".join(str(pid) for pid, name in before.items() if name.startswith("VLLM::"))
-    for _ in range(FREEZE_ATTEMPTS):
-        job = await client.submit("doomed", max_tokens=KILLED_TOKENS, seed=FULL_LENGTH_SEED)
-        seen, stream = await first_delta(job)
-        # Frozen, so the chat is provably still running at the kill however fast the tiny
-        # model is (300 tokens took 0.44-1.5 s); SIGKILL ends stopped processes all the same.
-        box.run(f"kill -STOP {engine}")
-        await asyncio.sleep(FREEZE_SETTLE_S)  # what the worker already had, it publishes
-        if not await client.redis.exists(terminal_key(job.job_id)):
-            break
-        # Its first delta reached us only after the whole answer was made (seen once in CI:
-        # the worker's appends waited ~1.6 s, cause not found), so nothing is left to kill.
-        box.run(f"kill -CONT {engine}")
-        await rest_of(stream)
-    else:
-        pytest.fail(f"{FREEZE_ATTEMPTS} chats ended before their engine was frozen mid-answer")
+    # The engine stops after the answer's first token, so the chat is still running at the
+    # kill however fast the tiny model is or slow the machine. (Freezing the engine on the
+    # first delta raced: three chats in a row of a loaded run had ended before the freeze.)
+    engine_hold.arm(after_tokens=1)
+    job = await client.submit("doomed", max_tokens=KILLED_TOKENS, seed=FULL_LENGTH_SEED)
+    seen, stream = await first_delta(job)
+    assert not await client.redis.exists(terminal_key(job.job_id))
     # SIGKILL to the main process only, as an OOM kill or a crash would: systemd must clean
     # up the rest of the cgroup (vLLM's engine processes) itself, then restart the unit.
     box.run(f"systemctl kill --kill-whom=main --signal=SIGKILL {WORKER}")
     killed_us = monotonic_us()
+    engine_hold.release()
     assert box.wait_state(WORKER, "activating/auto-restart", timeout_s=10)
     # While it waits RestartSec: no process of the old worker is left, anywhere in the box.
     left = box.run("ps -eo pid=,comm=").stdout
     assert "VLLM::" not in left and str(old_main) not in left.split(), left
-    # The watchdog test's drop-in, read by the restart that is due (not by a running worker).
+    # The watchdog test's drop-in, read by the restart that is due (not by a running worker);
+    # the hold's drop-in goes: no later worker obeys a test hold.
     box.run(
         f"mkdir -p {DROPINS} && printf '[Service]\\nWatchdogSec={WATCHDOG_S}s\\n' "
-        f">{DROPINS}/box-watchdog.conf && systemctl daemon-reload"
+        f">{DROPINS}/box-watchdog.conf && rm -r {HOLD_DROPINS} && systemctl daemon-reload"
     )
 
     async def to_the_end() -> tuple[list[StreamEvent], float]:
