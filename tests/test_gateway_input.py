@@ -151,6 +151,13 @@ class Stored:
             self.redis.zcard(files_key(QUEUE, "acme")),
         )
 
+    def assert_none_added(self, before: tuple[int, ...]) -> None:
+        """Nothing stored since ``before``. A count may fall meanwhile: an earlier test's
+        background response, with no worker to answer it, is closed when its stream times out
+        (a clean-clone run saw the open responses go from 1 to 0 during a refused request)."""
+        after = self.counts()
+        assert all(now <= then for now, then in zip(after, before, strict=True)), (before, after)
+
 
 @pytest.fixture
 def stored(redis_server: RedisServer) -> Iterator[Stored]:
@@ -198,7 +205,7 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_its_field_and_nothing_is_stor
     error = response.json()["error"]
     assert error["param"] == field
     assert error["message"].startswith(f"{field}: not valid text: it holds a lone surrogate")
-    assert stored.counts() == before
+    stored.assert_none_added(before)
 
 
 def test_a_batch_line_with_a_lone_surrogate_fails_the_batch_naming_the_line(
@@ -274,7 +281,7 @@ def test_metadata_past_openais_limits_is_a_400_naming_it(
     error = response.json()["error"]
     assert error["param"] == field
     assert said in error["message"]
-    assert stored.counts() == before
+    stored.assert_none_added(before)
 
 
 def test_sixteen_pairs_at_their_longest_are_taken(http: httpx.Client) -> None:
@@ -321,7 +328,7 @@ def test_a_bad_value_is_a_400_whose_param_names_its_field(
     response = http.post(path, json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field, response.text
-    assert stored.counts() == before
+    stored.assert_none_added(before)
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/responses", "/batches"])
