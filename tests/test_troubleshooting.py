@@ -149,6 +149,9 @@ def test_an_engine_that_will_not_start_a_model_path_that_is_not_there(
         "EDGEQ_REDIS_URL": plain_redis.url,
         "EDGEQ_MODEL": "/nonexistent/model",
         "HF_HUB_OFFLINE": "1",
+        # No metrics server: the default port 9400 may be another test's at the same moment
+        # (a clean-clone run got exit 78, "Address already in use", instead of the engine's 1).
+        "EDGEQ_METRICS_PORT": "0",
     }
     result = run_edgeq("worker", env=env)
     assert result.returncode == 1
