@@ -226,20 +226,6 @@ async def unfinished(redis: Redis, job_ids: set[str]) -> set[str]:
     return {job_id for job_id in job_ids if await finished_with(redis, job_id) is None}
 
 
-async def freeze_mid_stream(worker: WorkerProcess, redis: Redis, job_ids: set[str]) -> set[str]:
-    """Suspend the worker's engine, so its chats are provably still running when it is
-    killed; returns those of ``job_ids`` not ended by then."""
-    suspend_engine(worker)
-    await asyncio.sleep(0.2)  # whatever the worker was sending lands
-    return await unfinished(redis, job_ids)
-
-
-def thaw(worker: WorkerProcess) -> None:
-    """Resume the engine processes ``suspend_engine`` suspended."""
-    for process in engine_of(worker):
-        process.resume()
-
-
 async def all_started(workers: list[WorkerProcess], job_ids: set[str]) -> dict[str, WorkerProcess]:
     async with asyncio.timeout(60):
         while len(owners := runs_by_worker(workers, job_ids)) < len(job_ids):  # noqa: ASYNC110
@@ -285,28 +271,32 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
     # long is not mistaken for a death (one that is still ends well: the runs share one
     # stream, the slower one stops), and a kill is still noticed within it.
     lease = {"EDGEQ_LEASE_TTL_S": str(BUSY_LEASE_TTL_S)}
-    workers = start_workers(tiny_model, url, tmp_path, "first", "second", **lease)
+    hold = EngineHold(tmp_path / "hold")  # one file: both engines obey it
+    workers = start_workers(tiny_model, url, tmp_path, "first", "second", **lease, **hold.env())
     replacement: WorkerProcess | None = None
     try:
-        # Slowed until every chat has started (helpers.slowed): on a loaded machine a CI run's
-        # chats all ended before the last one was seen starting.
-        with slowed(*workers):
-            jobs = [
-                await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
-                for i in range(20)
-            ]
-            owners = await all_started(workers, {job.job_id for job in jobs})
-        # Both engines frozen at once: nothing finishes while the victim is chosen, the one
-        # with the most chats still running; the other one goes on.
+        # Both engines stop once a chat has 8 tokens: no chat can end before the victim is
+        # chosen, however slow this test process is. Slowing the engines and freezing them
+        # after every chat had started still raced: a clean-clone CI run found all 20 chats
+        # ended (both workers "running none") by the time the freeze came.
+        hold.arm(after_tokens=8)
+        jobs = [
+            await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            for i in range(20)
+        ]
+        owners = await all_started(workers, {job.job_id for job in jobs})
         running = [
-            await freeze_mid_stream(
-                worker, chaos_client.redis, {j for j, owner in owners.items() if owner is worker}
+            await unfinished(
+                chaos_client.redis, {j for j, owner in owners.items() if owner is worker}
             )
             for worker in workers
         ]
+        # The victim is the one with the most chats; its engine is frozen for good, and the
+        # hold let go: the other one goes on.
         most = max(range(len(workers)), key=lambda index: len(running[index]))
         victim, survivor = workers[most], workers[1 - most]
-        thaw(survivor)
+        suspend_engine(victim)
+        hold.release()
         moved = running[most]
         assert moved, "the victim was running none of the chats"
         streams = [job.stream() for job in jobs]  # read from the start: the replay buffer
@@ -371,6 +361,7 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
             assert done.continued or job.job_id not in stranded
         assert (await chaos_client.chat("after the crashes", max_tokens=4)).usage
     finally:
+        hold.release()
         for worker in [*workers, *([replacement] if replacement else [])]:
             worker.stop(signal.SIGKILL)
 
