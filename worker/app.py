@@ -41,6 +41,7 @@ from edgeq.worker.lifecycle import JobLoop, LoopConfig, run_until_signalled
 from edgeq.worker.liveness import watch_engine
 from edgeq.worker.metrics import WorkerMetrics, serve_metrics
 from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
+from edgeq.worker.refill import RecentFinishes
 from edgeq.worker.settings import WorkerSettings
 from edgeq.worker.state import WorkerState, running_by_tenant
 from edgeq.worker.wire import dump_json, load_job
@@ -101,6 +102,9 @@ async def keep_alive(state: WorkerState) -> None:
             await renew_leases(
                 redis, settings.queue, list(state.running), ttl_s=settings.lease_ttl_s
             )
+            # Before any lease is judged: a finished job's lease that came back with Redis
+            # is gone again before it could be taken for a lost worker's.
+            await state.recent.refill_if_restarted(redis)
             handed = await reap_lost_jobs(
                 redis,
                 state.events,
@@ -290,11 +294,13 @@ def build_worker(
     settings: WorkerSettings, *, process_started: float, metrics: WorkerMetrics
 ) -> tuple[WorkerState, JobLoop]:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
+    events = EventLog(redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue)
     state = WorkerState(
         settings=settings,
         redis=redis,
-        events=EventLog(redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue),
+        events=events,
         metrics=metrics,
+        recent=RecentFinishes(events, window_s=settings.refill_window_s),
         process_started=process_started,
         started_at=time.time(),
     )
@@ -307,6 +313,7 @@ def build_worker(
         deserializer=load_job,
         serializer=dump_json,
         not_finished_here=state.not_finished_here,
+        recent=state.recent,
         count_not_started=metrics.job_ended,
         may_claim=lambda: state.stalled_since is None,
     )

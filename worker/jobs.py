@@ -142,6 +142,8 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         return failure
     finally:
         metrics.job_ended(outcome, e2e_s=e2e_s)
+        if publisher.closed and job.job_id not in state.not_finished_here:
+            state.recent.keep_events(job.job_id, publisher.stored, payload.tenant)
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take
         # (an outage at the job's end) in the queue and in progress for good (#34).

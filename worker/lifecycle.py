@@ -62,6 +62,7 @@ from edgeq.worker.arq_seam import (
 )
 from edgeq.worker.claim import ClaimedJob, claim_due_jobs
 from edgeq.worker.outcomes import Ending, NotStarted, not_started
+from edgeq.worker.refill import RecentFinishes
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
@@ -127,6 +128,9 @@ class JobLoop:
     serializer: Serializer
     #: Jobs whose records this run leaves alone (the job function says which: WorkerState).
     not_finished_here: set[str] = field(default_factory=set)
+    #: Where finished jobs' records are kept a while, to write again into a Redis that came
+    #: back without them (worker/refill.py); None: not kept.
+    recent: RecentFinishes | None = None
     #: Called with the error code of each job failed before it started (metrics).
     count_not_started: Callable[[str], None] = lambda code: None
     #: False while the engine is stalled (worker/liveness.py): no claims until it steps.
@@ -300,20 +304,26 @@ class JobLoop:
         # Through a short Redis outage they are retried, so arq's result is there once Redis
         # is; past a lease TTL the lease they keep until then finishes them (arq_seam.py).
         give_up = time.monotonic() + self.config.lease_ttl_ms / 1000
+        write = partial(
+            finish_job,
+            self.redis,
+            job.job_id,
+            queue=self.config.queue,
+            abort_set=self.config.abort_set,
+            result=outcome,
+            keep_result_ms=int(self.config.keep_result_s * 1000),
+        )
         while True:
             try:
-                return await finish_job(
-                    self.redis,
-                    job.job_id,
-                    queue=self.config.queue,
-                    abort_set=self.config.abort_set,
-                    result=outcome,
-                    keep_result_ms=int(self.config.keep_result_s * 1000),
-                )
+                await write()
             except REDIS_ERRORS:
                 if time.monotonic() >= give_up:
                     raise
                 await asyncio.sleep(REDIS_RETRY_S)
+                continue
+            if self.recent is not None:
+                self.recent.keep_records(job.job_id, write)
+            return
 
     async def _fail_before_start(
         self, job: ClaimedJob, record: JobRecord | None, reason: NotStarted
@@ -326,9 +336,12 @@ class JobLoop:
         # The event first, as a job that ran ends: should Redis fail in between, the lease
         # taken at the claim stays, and its expiry ends the job or hands it to a next claim.
         try:
-            await self.events.append(event)
+            published = await self.events.append(event)
             log.info("job_failed", job_id=job.job_id, code=ending.code.value,
                      reason=ending.message)  # fmt: skip
+            if self.recent is not None:
+                stored = event.model_copy(update={"seq": published.seq})
+                self.recent.keep_events(job.job_id, [stored], tenant=None)
         except StreamClosed:
             pass  # already ended (cancelled, or declared lost): one terminal event only
         await asyncio.shield(

@@ -74,6 +74,11 @@ class StreamPublisher:
         return 0.0 if self._away_since is None else self._clock() - self._away_since
 
     @property
+    def stored(self) -> list[AnyEvent]:
+        """The job's events Redis has confirmed, in order (earlier runs' included)."""
+        return self._stored
+
+    @property
     def unheard_for_s(self) -> float:
         """How long no subscriber has received this job's events live."""
         return self._clock() - self._last_heard

@@ -176,6 +176,11 @@ class WorkerSettings(ConnectionSettings):
     # How long a running chat rides out Redis being away (a restart, a failover) before the
     # worker stops generating it; its lease cannot run out meanwhile (core/leases.py).
     redis_outage_s: float = Field(60.0, gt=0)
+    # How long a finished job's events and records are kept in the worker, to be written again
+    # should Redis come back without them (worker/refill.py): longer than Redis may take to
+    # have a write on disk (appendfsync everysec: about a second, two when a disk is slow) or
+    # on a replica; 0 keeps nothing.
+    refill_window_s: float = Field(3.0, ge=0)
     abandon_after_s: float = Field(30.0, ge=0)
     # Liveness by progress (worker/liveness.py): the engine holding work with no step for
     # engine_stall_s is stalled (no new jobs, no watchdog pings); stalled for engine_stall_exit_s

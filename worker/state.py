@@ -12,6 +12,7 @@ from arq.connections import ArqRedis
 from edgeq.core.events import EventLog
 from edgeq.worker.engine_api import Engine
 from edgeq.worker.metrics import WorkerMetrics
+from edgeq.worker.refill import RecentFinishes
 from edgeq.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:  # imports vLLM
@@ -24,6 +25,9 @@ class WorkerState:
     redis: ArqRedis
     events: EventLog
     metrics: WorkerMetrics
+    #: Jobs finished in the last EDGEQ_REFILL_WINDOW_S, to write again into a Redis that came
+    #: back without them (worker/refill.py).
+    recent: RecentFinishes
     #: time.monotonic() when the process started, and time.time() when the worker was built.
     process_started: float
     started_at: float

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
-from edgeq.core.events import finished_with
-from edgeq.core.keys import events_key, in_progress_key, leases_key
+from edgeq.core.events import finished_with, read_events
+from edgeq.core.keys import events_key, in_progress_key, leases_key, result_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, load_json
 from edgeq.producer.client import ChatClient
 from edgeq.testing.engine_hold import EngineHold
@@ -33,7 +33,6 @@ from helpers import (
     FIGURES,
     arq_job_bytes,
     engine_env,
-    engine_of,
     run_raw_job,
     slowed,
     suspend_engine,
@@ -542,6 +541,58 @@ async def test_chats_given_up_in_an_outage_past_the_limit_are_continued_when_red
         hold.release()
         worker.stop()
         await client.aclose()
+
+
+async def test_a_chat_finished_just_before_redis_lost_its_last_writes_is_written_again(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """docs/guarantees.md: a Redis killed before its disk had its last writes (or failed over
+    to a replica that lacked them) lost a chat that had just ended: its client had the done
+    live, but the replay buffer and arq's result were gone, and the lease came back (the CI
+    campaign, a SIGKILL of its `appendfsync everysec` Redis). The worker writes them again
+    (worker/refill.py). Here Redis comes back from a snapshot taken mid-answer, inside a
+    refill window long enough that however slow this machine is, the restart falls in it."""
+    data = tmp_path / "redis-data"
+    data.mkdir()
+    server = RedisServer(extra_args=("--dir", str(data))).start()
+    hold = EngineHold(tmp_path / "hold")
+    worker = start_worker(
+        tiny_model, server.url, tmp_path, "refill", EDGEQ_REFILL_WINDOW_S="300", **hold.env()
+    )
+    try:
+        async with ChatClient(redis_url=server.url, queue="edgeq:chaos") as client:
+            hold.arm(after_tokens=2)
+            job = await client.submit("written twice", max_tokens=32, seed=FULL_LENGTH_SEED)
+            live, stream = await first_delta(job)
+            await client.redis.save()  # what Redis will come back with: the chat running
+            hold.release()
+            live += [event async for event in stream]
+            assert isinstance(live[-1], DoneEvent)
+            async with asyncio.timeout(30):  # the records go just after the done
+                while not await client.redis.exists(result_key(job.job_id)):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert server.process is not None
+            server.process.kill()  # nothing written since the snapshot is kept
+            server.process.wait()
+            server.process = None
+            server.start()  # with the job's lease and in-progress mark, its end gone
+        async with Redis.from_url(server.url) as redis:  # the client's connections died with it
+            async with asyncio.timeout(30):
+                while (kept := await read_events(redis, job.job_id)) != live:
+                    assert len(kept) <= len(live), kept
+                    await asyncio.sleep(0.1)
+            assert await finished_with(redis, job.job_id) == live[-1]
+            assert await redis.exists(result_key(job.job_id))
+            # Finished again, not to be continued: no lease, no in-progress mark.
+            assert not await redis.zrange(leases_key("edgeq:chaos"), 0, -1)
+            assert not await redis.exists(in_progress_key(job.job_id))
+        refills = [e for e in worker.log_events() if e.get("event") == "finished_jobs_refilled"]
+        assert [e["jobs"] for e in refills] == [1], refills
+        assert not continued_at(worker, {job.job_id})
+    finally:
+        hold.release()
+        worker.stop()
+        server.stop()
 
 
 # --- against the shared worker ----------------------------------------------------------------
