@@ -95,6 +95,24 @@ def wait_for_port(port: int, timeout_s: float) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s:g} s")
 
 
+def wait_until_loaded(port: int, timeout_s: float) -> None:
+    """Wait while a Redis on ``port`` answers LOADING (reading its data from disk): it listens
+    before it serves, and a test that went on at once met BusyLoadingError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as connection:
+                connection.sendall(b"PING\r\n")
+                reply = connection.recv(128)
+        except OSError:  # a TLS port hangs up on plain text: nothing to tell from it
+            return
+        if not reply.startswith(b"-LOADING"):  # +PONG, or -NOAUTH where a password is set
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Redis on 127.0.0.1:{port} still loading after {timeout_s:g} s")
+        time.sleep(0.02)
+
+
 def redis_server_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -145,6 +163,7 @@ class RedisServer:
             stderr=subprocess.STDOUT,
         )
         wait_for_port(self.port, timeout_s=10)
+        wait_until_loaded(self.port, timeout_s=30)
         return self
 
     def stop(self) -> None:
