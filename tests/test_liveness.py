@@ -157,6 +157,8 @@ async def test_a_worker_whose_engine_froze_stops_claiming_and_its_chats_go_on_el
             )
             for events in before_events:
                 assert assert_one_done(events).continued == 1
+            for job in before:  # counted before the exit: a second failure would quarantine it
+                assert await engine_failures(client.redis, job.job_id) == 1
             assert started_on(healthy, before_ids) == before_ids
             _, alive = await asyncio.to_thread(psutil.wait_procs, engine, 30)
             assert not alive, f"the stalled worker's engine outlived it: {alive}"
