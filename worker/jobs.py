@@ -2,13 +2,15 @@
 
 Every path out of ``chat`` publishes exactly one terminal event: ``done`` with usage and
 timings, or ``error`` with a stable code (worker/outcomes.py). The same terminal outcome is
-the job's arq result (worker/arq_seam.py).
+the job's arq result (worker/arq_seam.py). The one exception is a dead engine: the job is
+then handed over unended (its engine failure counted on it first), for another worker, or this
+one restarted, to continue; at two such failures the hand-over quarantines it instead.
 
-A job the loop starts for the second time was handed over after its worker died
-(core/leases.py): its stream already holds what the dead worker published. It is continued:
-the prompt is the chat plus the answer text streamed so far, and its new text follows the
-old in the same stream, under the next ``seq``. What cannot be continued from the middle (a
-constrained answer, logprobs, ``on_worker_lost="fail"``) ends with ``worker_lost``.
+A job the loop starts for the second time was handed over after its worker (or its worker's
+engine) died (core/leases.py): its stream already holds what the dead worker published. It is
+continued: the prompt is the chat plus the answer text streamed so far, and its new text
+follows the old in the same stream, under the next ``seq``. What cannot be continued from the
+middle (a constrained answer, logprobs, ``on_worker_lost="fail"``) ends with ``worker_lost``.
 """
 
 from __future__ import annotations
