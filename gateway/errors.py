@@ -37,6 +37,8 @@ JOB_ERROR_STATUS: dict[str, int] = {
     ErrorCode.EXPIRED: 503,
     ErrorCode.WORKER_LOST: 503,
     ErrorCode.ENGINE_ERROR: 500,
+    # Not a 5xx: the SDK would send the request that took down two engines once more.
+    ErrorCode.POISON_JOB: 422,
 }
 
 

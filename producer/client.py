@@ -17,6 +17,7 @@ bounded pool (``EDGEQ_CLIENT_MAX_CONNECTIONS``).
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, overload
@@ -27,6 +28,7 @@ from edgeq.core.adapters import known_adapter
 from edgeq.core.connection import make_redis, redis_errors
 from edgeq.core.errors import (
     EdgeqError,
+    IdempotencyConflict,
     InvalidRequest,
     JobFailed,
     JobTimeout,
@@ -35,6 +37,7 @@ from edgeq.core.errors import (
     StreamBroken,
 )
 from edgeq.core.events import EventLog, finished_with, read_events
+from edgeq.core.keys import idempotency_key as idempotency_key_name
 from edgeq.core.keys import new_job_id
 from edgeq.core.leases import abandoned, declare_lost, hand_over, lease_expired
 from edgeq.core.protocol import (
@@ -51,7 +54,13 @@ from edgeq.core.protocol import (
 )
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.core.structured import ModelT, json_schema_format, parse_answer
-from edgeq.producer.queue import Enqueued, JobQueue
+from edgeq.producer.queue import (
+    IDEMPOTENCY_KEY_PATTERN,
+    Enqueued,
+    Idempotency,
+    JobQueue,
+    request_hash,
+)
 from edgeq.producer.subscriptions import REPLAY, StreamSubscriptions
 
 # While a stream is idle, how often to check that the job's worker still holds its lease.
@@ -255,6 +264,7 @@ class ChatJob:
                     max_continuations=settings.max_continuations,
                     deadline_s=settings.continue_within_s,
                     lease_ttl_s=settings.lease_ttl_s,
+                    dead_letter_ttl_s=settings.dead_letter_ttl_s,
                 )
             elif await abandoned(client.redis, settings.queue, self.job_id):
                 await declare_lost(
@@ -297,7 +307,12 @@ class ChatClient:
         await self.redis.aclose(close_connection_pool=True)
 
     async def submit(
-        self, messages: MessagesLike, *, deadline_s: float | None = None, **fields: Any
+        self,
+        messages: MessagesLike,
+        *,
+        deadline_s: float | None = None,
+        idempotency_key: str | None = None,
+        **fields: Any,
     ) -> ChatJob:
         """Validate, subscribe to the job's channel, then enqueue (see the module doc).
 
@@ -308,8 +323,19 @@ class ChatClient:
         worker serves or will is refused here (InvalidRequest). Raises QueueFull when
         EDGEQ_MAX_QUEUE jobs are queued or running, or the tenant has its
         EDGEQ_TENANT_MAX_QUEUED queued.
+
+        ``idempotency_key``: a submit retried with the same key (per tenant) within
+        EDGEQ_IDEMPOTENCY_TTL_S gets the job the first one enqueued, attached from its replay
+        buffer, instead of a second job; the same key with a different request raises
+        IdempotencyConflict.
         """
         settings = self.settings
+        if idempotency_key is not None and not re.fullmatch(IDEMPOTENCY_KEY_PATTERN,
+                                                            idempotency_key):  # fmt: skip
+            raise InvalidRequest(
+                f"idempotency_key: 1 to 255 visible ASCII characters, no spaces "
+                f"(got {idempotency_key[:40]!r})"
+            )
         request = build_request(messages, **fields)
         if request.tenant is None:
             request = request.model_copy(update={"tenant": settings.tenant})
@@ -319,28 +345,43 @@ class ChatClient:
         if request.adapter is not None:
             await self._check_adapter(request.adapter)
         job_id = new_job_id(settings.queue)
+        tenant = request.tenant or settings.tenant
+        idempotency = None
+        if idempotency_key is not None:
+            idempotency = Idempotency(
+                idempotency_key_name(settings.queue, tenant, idempotency_key),
+                request_hash(payload),
+                settings.idempotency_ttl_s,
+            )
         # The enqueue waits for the SUBSCRIBE to be written, not for a loop turn after it: both
         # go out in the next turn, the SUBSCRIBE first (and the enqueue not at all if it fails).
         inbox, subscribed = self.subscriptions.subscribe_soon(job_id)
         job = ChatJob(self, job_id, inbox, after_seq=-1, submitted=True)
         try:
             with redis_errors(settings.redis_url):
-                outcome, tenant_cap = await self.queue.enqueue(
+                outcome, detail = await self.queue.enqueue(
                     job_id,
                     payload,
                     deadline_s=deadline_s if deadline_s is not None else settings.queue_deadline_s,
                     max_depth=settings.max_queue,
-                    tenant=request.tenant or settings.tenant,
+                    tenant=tenant,
                     priority=request.priority,
                     after=subscribed,
+                    idempotency=idempotency,
                 )
         except BaseException:
             await job.aclose()
             raise
+        if outcome is Enqueued.EXISTING:  # a retried submit: the first one's job
+            await job.aclose()
+            return await self.attach(str(detail))
+        if outcome is Enqueued.IDEMPOTENCY_CONFLICT:
+            await job.aclose()
+            raise IdempotencyConflict(str(idempotency_key), tenant, str(detail))
         if outcome is Enqueued.TENANT_FULL:
             await job.aclose()
             raise QueueFull(
-                f"tenant {request.tenant} already has {tenant_cap} jobs queued "
+                f"tenant {request.tenant} already has {detail} jobs queued "
                 f"(its EDGEQ_TENANT_MAX_QUEUED on the workers); try again shortly"
             )
         if outcome is not Enqueued.ACCEPTED:

@@ -8,6 +8,8 @@ The job is stored exactly as arq expects it (README, "Wire contract").
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from enum import IntEnum
 from typing import Any, NamedTuple
@@ -37,16 +39,50 @@ _ENQUEUE = lua_script("fair_queuing", "enqueue")
 _DEQUEUE = lua_script("fair_queuing", "dequeue")
 
 
+#: An idempotency key as a caller may choose it: visible ASCII, no spaces, 1 to 255 of them.
+IDEMPOTENCY_KEY_PATTERN = r"[!-~]{1,255}"
+
+
+def request_hash(request: dict[str, Any]) -> str:
+    """What tells two requests under one idempotency key apart: the hex SHA-256 of the
+    request's JSON with sorted keys and no spaces (docs/wire-contract.md)."""
+    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 class Enqueued(IntEnum):
     ACCEPTED = 1
     QUEUE_FULL = 0
     DUPLICATE_ID = -1
     TENANT_FULL = -2
+    #: The idempotency key was given to a job with the same request: that job is the answer.
+    EXISTING = 2
+    #: The idempotency key was given to a job with a different request.
+    IDEMPOTENCY_CONFLICT = -3
 
 
 class EnqueueOutcome(NamedTuple):
     outcome: Enqueued
-    tenant_cap: int = 0  # the tenant's EDGEQ_TENANT_MAX_QUEUED, for TENANT_FULL
+    #: The tenant's EDGEQ_TENANT_MAX_QUEUED for TENANT_FULL; the job the idempotency key was
+    #: given to for EXISTING and IDEMPOTENCY_CONFLICT (two fields: callers unpack a pair).
+    detail: int | str = 0
+
+    @property
+    def tenant_cap(self) -> int:
+        return self.detail if isinstance(self.detail, int) else 0
+
+    @property
+    def existing_job_id(self) -> str:
+        return self.detail if isinstance(self.detail, str) else ""
+
+
+class Idempotency(NamedTuple):
+    """A submit's idempotency key (already scoped: core/keys.py idempotency_key), the hash
+    of its request, and how long the key holds."""
+
+    key: str
+    request_hash: str
+    ttl_s: float
 
 
 class JobQueue:
@@ -77,6 +113,7 @@ class JobQueue:
         tenant: str,
         priority: Priority | None,
         after: asyncio.Future[Any] | None = None,
+        idempotency: Idempotency | None = None,
     ) -> EnqueueOutcome:
         """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit; the
         lines of batches are not counted for an interactive or default job) or the tenant has
@@ -86,24 +123,31 @@ class JobQueue:
         The job's payload expires after ``deadline_s``: a worker reaching it later finds it
         gone and ends it with ``expired`` instead of starting it late. ``after``: a future the
         enqueue is not sent before, and not at all if it fails (core/batching.py).
+        ``idempotency``: a job already given its key is the answer (EXISTING), or a conflict
+        if its request differs; nothing is enqueued then.
         """
         now_ms = time.time() * 1000
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
         job = {"f": JOB_FUNCTION, "a": [request], "k": {}, "t": 1, "et": round(now_ms, 3)}
-        reply = await self._enqueue(
-            [self.name, job_key(job_id), *self._scheduling_keys, self._batch_lines_key],
-            [
-                dump_json(job),
-                int(deadline_s * 1000),
-                max_depth,
-                job_id,
-                wake_channel(self.name),
-                band_of(priority),
-                tenant,
-            ],
-            after=after,
-        )
-        return EnqueueOutcome(Enqueued(int(reply[0])), *(int(value) for value in reply[1:]))
+        keys = [self.name, job_key(job_id), *self._scheduling_keys, self._batch_lines_key]
+        args: list[Any] = [
+            dump_json(job),
+            int(deadline_s * 1000),
+            max_depth,
+            job_id,
+            wake_channel(self.name),
+            band_of(priority),
+            tenant,
+        ]
+        if idempotency is not None:
+            keys.append(idempotency.key)
+            args += [idempotency.request_hash, int(idempotency.ttl_s * 1000)]
+        reply = await self._enqueue(keys, args, after=after)
+        outcome = Enqueued(int(reply[0]))
+        if outcome in (Enqueued.EXISTING, Enqueued.IDEMPOTENCY_CONFLICT):
+            held = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+            return EnqueueOutcome(outcome, held)
+        return EnqueueOutcome(outcome, *(int(value) for value in reply[1:]))
 
     async def depth(self) -> int:
         """Jobs accepted and not finished (arq keeps running jobs in the queue too)."""

@@ -155,6 +155,8 @@ def test_a_header_that_names_no_tenant_is_a_400_showing_at_most_70_characters() 
         (JobFailed(JOB, "worker_lost", "gone"), 503, "server_error", "worker_lost"),
         (JobFailed(JOB, "expired", "waited too long"), 503, "server_error", "expired"),
         (JobFailed(JOB, "engine_error", "boom"), 500, "server_error", "engine_error"),
+        (JobFailed(JOB, "poison_job", "two engines"), 422, "invalid_request_error",
+         "poison_job"),
         (JobFailed(JOB, "a_new_code", "?"), 500, "server_error", "a_new_code"),
         (JobTimeout(JOB, 30, "is a worker running?"), 504, "server_error", "stream_timeout"),
         (RedisUnavailable("cannot reach Redis"), 503, "service_unavailable",

@@ -11,12 +11,20 @@ import pytest
 from redis.asyncio import Redis
 
 from edgeq.core.events import EventLog, read_events
-from edgeq.core.keys import in_progress_key, job_key, leases_key, retry_key
+from edgeq.core.keys import (
+    dead_letter_entry_key,
+    dead_letter_key,
+    in_progress_key,
+    job_key,
+    leases_key,
+    retry_key,
+)
 from edgeq.core.leases import (
     Handover,
     abandoned,
     hand_over,
     lease_expired,
+    mark_engine_failures,
     reap_lost_jobs,
     redis_now_ms,
     renew_leases,
@@ -69,7 +77,13 @@ async def test_only_a_job_whose_lease_ran_out_is_declared_lost(redis: Redis, que
 
     assert await lease_expired(redis, queue, "silent")
     assert not await lease_expired(redis, queue, "alive")
-    reap = {"queue": queue, "max_continuations": 0, "deadline_s": 60, "lease_ttl_s": 0.2}
+    reap = {
+        "queue": queue,
+        "max_continuations": 0,
+        "deadline_s": 60,
+        "lease_ttl_s": 0.2,
+        "dead_letter_ttl_s": 60,
+    }
     assert await reap_lost_jobs(redis, log, **reap) == {"silent": Handover.LOST}
     (event,) = await read_events(redis, "silent")
     assert isinstance(event, ErrorEvent) and event.code == "worker_lost"
@@ -95,7 +109,7 @@ async def test_a_lost_job_is_handed_over_once_for_another_worker_to_continue(
     await started_job(redis, queue, "crashed", starts=1)
     outcomes = await asyncio.gather(  # a client and two workers notice at the same moment
         *(hand_over(redis, log, "crashed", queue=queue, max_continuations=2, deadline_s=30,
-                    lease_ttl_s=0.2) for _ in range(3))
+                    lease_ttl_s=0.2, dead_letter_ttl_s=60) for _ in range(3))
     )  # fmt: skip
     assert sorted(outcomes) == [Handover.NOT_EXPIRED, Handover.NOT_EXPIRED, Handover.CONTINUED]
     assert not await redis.exists(in_progress_key("crashed"))  # any worker may claim it now
@@ -109,7 +123,14 @@ async def test_a_job_started_past_the_limit_ends_worker_lost(redis: Redis, queue
     log = EventLog(redis, replay_ttl_s=60, queue=queue)
     await started_job(redis, queue, "poison", starts=3)
     outcome = await hand_over(
-        redis, log, "poison", queue=queue, max_continuations=2, deadline_s=30, lease_ttl_s=0.2
+        redis,
+        log,
+        "poison",
+        queue=queue,
+        max_continuations=2,
+        deadline_s=30,
+        lease_ttl_s=0.2,
+        dead_letter_ttl_s=60,
     )
     assert outcome is Handover.LOST
     (event,) = await read_events(redis, "poison")
@@ -125,7 +146,14 @@ async def test_a_handed_over_job_nobody_took_before_its_deadline_is_abandoned(
     await started_job(redis, queue, "orphan", starts=1)
     await log.append(DeltaEvent(job_id="orphan", seq=0, text="half an ans"))
     await hand_over(
-        redis, log, "orphan", queue=queue, max_continuations=2, deadline_s=0.2, lease_ttl_s=0.2
+        redis,
+        log,
+        "orphan",
+        queue=queue,
+        max_continuations=2,
+        deadline_s=0.2,
+        lease_ttl_s=0.2,
+        dead_letter_ttl_s=60,
     )
     assert not await abandoned(redis, queue, "orphan")  # waiting for a taker
     await asyncio.sleep(0.3)  # its payload expired: nobody can continue it any more
@@ -147,7 +175,12 @@ async def test_no_lease_runs_out_until_redis_has_been_up_a_lease_ttl(tmp_path: P
         server.stop()  # its data is kept (append-only file)
         server.start()
         redis = Redis.from_url(server.url)
-        handover = {"queue": queue, "max_continuations": 2, "deadline_s": 30}
+        handover = {
+            "queue": queue,
+            "max_continuations": 2,
+            "deadline_s": 30,
+            "dead_letter_ttl_s": 60,
+        }
         assert await lease_expired(redis, queue, "running")  # expired in 1970, by the clock
         outcome = await hand_over(redis, log, "running", lease_ttl_s=2, **handover)
         assert outcome is Handover.NOT_EXPIRED  # Redis was up for less than the TTL
@@ -167,7 +200,14 @@ async def test_a_job_whose_request_is_gone_ends_worker_lost_saying_so(
     await started_job(redis, queue, "forgotten", starts=1)
     await redis.delete(job_key("forgotten"))
     outcome = await hand_over(
-        redis, log, "forgotten", queue=queue, max_continuations=2, deadline_s=30, lease_ttl_s=0.2
+        redis,
+        log,
+        "forgotten",
+        queue=queue,
+        max_continuations=2,
+        deadline_s=30,
+        lease_ttl_s=0.2,
+        dead_letter_ttl_s=60,
     )
     assert outcome is Handover.LOST_REQUEST
     (event,) = await read_events(redis, "forgotten")
@@ -187,10 +227,59 @@ async def test_a_job_whose_stream_ended_while_its_worker_was_gone_leaves_no_reco
     await log.append(DeltaEvent(job_id="ended", seq=0, text="half"))
     await log.append(ErrorEvent(job_id="ended", seq=0, code="cancelled", message="by a client"))
     outcome = await hand_over(
-        redis, log, "ended", queue=queue, max_continuations=2, deadline_s=30, lease_ttl_s=0.2
+        redis,
+        log,
+        "ended",
+        queue=queue,
+        max_continuations=2,
+        deadline_s=30,
+        lease_ttl_s=0.2,
+        dead_letter_ttl_s=60,
     )
     assert outcome is Handover.NOT_EXPIRED  # nothing to hand over: the job is over
     assert not await redis.exists(in_progress_key("ended"), job_key("ended"))
     assert await redis.zscore(queue, "ended") is None  # never claimed again
     assert await redis.zscore(leases_key(queue), "ended") is None
     assert [event.type for event in await read_events(redis, "ended")] == ["delta", "error"]
+
+
+async def test_a_job_at_two_engine_failures_is_quarantined_not_continued(
+    redis: Redis, queue: str
+) -> None:
+    # A poison request kills every engine it reaches: counted once, the job is continued (the
+    # first failure may be the engine's own); counted twice, its payload goes to the
+    # dead-letter set and it ends with its own code, once, whoever notices first.
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    handover = {"queue": queue, "max_continuations": 5, "deadline_s": 30, "lease_ttl_s": 0.2,
+                "dead_letter_ttl_s": 60}  # fmt: skip
+    await started_job(redis, queue, "poison", starts=1)
+    await redis.set(job_key("poison"), b'{"a": [{"tenant": "acme"}]}', px=5_000)
+    await mark_engine_failures(redis, ["poison"])
+    assert await hand_over(redis, log, "poison", **handover) is Handover.CONTINUED
+    await redis.zadd(leases_key(queue), {"poison": 1})  # its second worker's engine died too
+    await mark_engine_failures(redis, ["poison"])
+    outcomes = await asyncio.gather(
+        *(hand_over(redis, log, "poison", **handover) for _ in range(3))
+    )
+    assert sorted(outcomes) == [Handover.NOT_EXPIRED] * 2 + [Handover.QUARANTINED]
+    (event,) = await read_events(redis, "poison")
+    assert isinstance(event, ErrorEvent) and event.code == "poison_job"
+    assert "2 engines" in event.message
+    assert await redis.zscore(queue, "poison") is None  # never started again
+    assert not await redis.exists(job_key("poison"), in_progress_key("poison"))
+    assert await redis.zscore(dead_letter_key(queue), "poison") is not None
+    entry = await redis.hgetall(dead_letter_entry_key(queue, "poison"))
+    assert entry[b"payload"] == b'{"a": [{"tenant": "acme"}]}' and entry[b"failures"] == b"2"
+    assert 55_000 < await redis.pttl(dead_letter_entry_key(queue, "poison")) <= 60_000
+
+
+async def test_a_job_whose_worker_was_killed_is_continued_however_often(
+    redis: Redis, queue: str
+) -> None:
+    # No engine fault known (a SIGKILL, a power loss): nothing is counted, nothing quarantined.
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await started_job(redis, queue, "killed", starts=2)
+    outcome = await hand_over(redis, log, "killed", queue=queue, max_continuations=2,
+                              deadline_s=30, lease_ttl_s=0.2, dead_letter_ttl_s=60)  # fmt: skip
+    assert outcome is Handover.CONTINUED
+    assert await redis.zcard(dead_letter_key(queue)) == 0

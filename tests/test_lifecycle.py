@@ -129,7 +129,13 @@ async def test_records_left_past_a_lease_ttl_are_finished_by_the_leases_expiry(
     assert await redis.zscore(leases_key(QUEUE), job_id) is not None  # ...but kept the lease
     await asyncio.sleep(1.1)  # leases run out once Redis has been up a TTL (lua/hand_over.lua)
     await reap_lost_jobs(
-        redis, loop.events, queue=QUEUE, max_continuations=2, deadline_s=30, lease_ttl_s=1.0
+        redis,
+        loop.events,
+        queue=QUEUE,
+        max_continuations=2,
+        deadline_s=30,
+        lease_ttl_s=1.0,
+        dead_letter_ttl_s=60,
     )
     assert await records_left(redis, job_id) == []
     assert await redis.zscore(leases_key(QUEUE), job_id) is None

@@ -53,6 +53,12 @@ LEASE_RENEWALS_PER_TTL = 4
 
 log = structlog.get_logger("edgeq.worker")
 
+#: The log event of each hand-over a keep-alive round made (the rest: ``job_lost``).
+_HANDED_OVER_EVENTS = {
+    Handover.CONTINUED: "job_handed_over",
+    Handover.QUARANTINED: "job_quarantined",
+}
+
 #: Builds the worker's one engine from its settings: vLLM's (``ChatEngine.start``), or a
 #: stand-in at a GPU's token rate for capacity runs (edgeq.bench.simulate).
 EngineStarter = Callable[[WorkerSettings], Awaitable[Engine]]
@@ -112,10 +118,11 @@ async def keep_alive(state: WorkerState) -> None:
                 max_continuations=settings.max_continuations,
                 deadline_s=settings.continue_within_s,
                 lease_ttl_s=settings.lease_ttl_s,
+                dead_letter_ttl_s=settings.dead_letter_ttl_s,
             )
             for job_id, outcome in handed.items():
                 log.warning(
-                    "job_handed_over" if outcome is Handover.CONTINUED else "job_lost",
+                    _HANDED_OVER_EVENTS.get(outcome, "job_lost"),
                     job_id=job_id,
                     reason="its worker's lease ran out",
                 )
@@ -315,7 +322,7 @@ def build_worker(
         not_finished_here=state.not_finished_here,
         recent=state.recent,
         count_not_started=metrics.job_ended,
-        may_claim=lambda: state.stalled_since is None,
+        may_claim=lambda: state.stalled_since is None and not state.engine_died,
     )
     return state, jobs
 

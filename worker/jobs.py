@@ -2,13 +2,15 @@
 
 Every path out of ``chat`` publishes exactly one terminal event: ``done`` with usage and
 timings, or ``error`` with a stable code (worker/outcomes.py). The same terminal outcome is
-the job's arq result (worker/arq_seam.py).
+the job's arq result (worker/arq_seam.py). The one exception is a dead engine: the job is
+then handed over unended (its engine failure counted on it first), for another worker, or this
+one restarted, to continue; at two such failures the hand-over quarantines it instead.
 
-A job the loop starts for the second time was handed over after its worker died
-(core/leases.py): its stream already holds what the dead worker published. It is continued:
-the prompt is the chat plus the answer text streamed so far, and its new text follows the
-old in the same stream, under the next ``seq``. What cannot be continued from the middle (a
-constrained answer, logprobs, ``on_worker_lost="fail"``) ends with ``worker_lost``.
+A job the loop starts for the second time was handed over after its worker (or its worker's
+engine) died (core/leases.py): its stream already holds what the dead worker published. It is
+continued: the prompt is the chat plus the answer text streamed so far, and its new text
+follows the old in the same stream, under the next ``seq``. What cannot be continued from the
+middle (a constrained answer, logprobs, ``on_worker_lost="fail"``) ends with ``worker_lost``.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from vllm import RequestOutput, SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
+from edgeq.core.leases import expire_leases, mark_engine_failures
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
@@ -182,6 +186,8 @@ async def _end_with(
         log.warning("job_abandoned", reason=ending.message)
     elif not isinstance(error, _ENDINGS_LOGGED_ELSEWHERE):
         log.exception("job_error")
+    if isinstance(error, EngineDeadError):
+        await _hand_over_from_dead_engine(state, publisher.job_id)
     failure = await _fail(publisher, ending) if ending.publish else ending.as_result()
     if isinstance(error, EngineDeadError):
         log.error("engine_dead", action="stopping worker so its supervisor restarts it")
@@ -190,14 +196,24 @@ async def _end_with(
     return failure
 
 
+async def _hand_over_from_dead_engine(state: WorkerState, job_id: str) -> None:
+    """A job whose engine died is continued by another worker (or this one restarted), like
+    a killed worker's, and not ended: the chat most likely did not kill the engine. The
+    death is counted on it first (a job at two is quarantined, core/leases.py), and its
+    lease let run out at once, so the next keep-alive round anywhere hands it over."""
+    state.running.pop(job_id, None)  # no renewal after the expiry below
+    state.not_finished_here.add(job_id)  # its records stay for the next run
+    with contextlib.suppress(*REDIS_ERRORS):  # else its lease runs out by itself
+        await mark_engine_failures(state.redis, [job_id])
+        await expire_leases(state.redis, state.settings.queue, [job_id])
+
+
 async def _fail(publisher: StreamPublisher, ending: Ending) -> dict[str, Any]:
     log.info("job_failed", code=ending.code.value, reason=ending.message)
     if publisher.closed:  # the terminal event is out; a second one would break the contract
         return ending.as_result()
     try:
-        event = await asyncio.shield(
-            publisher.publish_error(ending.code.value, ending.message)
-        )
+        event = await asyncio.shield(publisher.publish_error(ending.code.value, ending.message))
     except (StreamClosed, RedisAway):
         return ending.as_result()
     return event.model_dump(mode="json")

@@ -20,7 +20,8 @@ engine that never answered them (#41). So the worker also watches the engine's s
   leases run out at once (another worker's next keep-alive round continues them, as after a
   crash: core/leases.py), kills the engine's processes and exits with
   ``EXIT_ENGINE_STALLED`` without publishing anything for its jobs, so that its supervisor
-  starts a fresh one.
+  starts a fresh one. The stall is counted on each of those jobs first: one running at a
+  second engine failure is quarantined instead of continued (a poison job, core/leases.py).
 
 A check that wakes up late (the event loop itself was held up) judges nothing: the engine's
 outputs may be waiting unread behind the same hold-up, and a stuck loop is the systemd
@@ -39,7 +40,7 @@ from collections.abc import Callable
 import structlog
 
 from edgeq.core.connection import REDIS_ERRORS
-from edgeq.core.leases import expire_leases
+from edgeq.core.leases import expire_leases, mark_engine_failures
 from edgeq.core.registry import remove_worker
 from edgeq.exit_codes import EXIT_ENGINE_STALLED
 from edgeq.worker.notify import notify
@@ -135,6 +136,9 @@ async def end_stalled_worker(state: WorkerState, *, worker_id: str) -> None:
     notify("STATUS=ending: the engine stalled; its jobs are handed over")
     with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
         async with asyncio.timeout(EXIT_REDIS_TIMEOUT_S):
+            # Counted on each job first: a job at two engine failures is quarantined, not
+            # continued (a poison job, core/leases.py).
+            await mark_engine_failures(state.redis, list(state.running))
             await expire_leases(state.redis, settings.queue, list(state.running))
             await remove_worker(state.redis, settings.queue, worker_id)
     # Blocking the event loop on purpose, from here to the exit: once the engine is gone its

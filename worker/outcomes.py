@@ -86,9 +86,7 @@ def not_started(reason: NotStarted) -> Ending:
     return _NOT_STARTED[reason]
 
 
-def job_failure(
-    error: BaseException, settings: WorkerSettings, *, draining: bool
-) -> Ending:
+def job_failure(error: BaseException, settings: WorkerSettings, *, draining: bool) -> Ending:
     """The error event of a started job that met ``error``."""
     # Here, not at the top: the job loop imports this table, and vLLM must be imported only
     # after worker/engine.py has set its environment.
@@ -118,6 +116,10 @@ def job_failure(
         case asyncio.CancelledError():
             return Ending(ErrorCode.CANCELLED, "the job was aborted before it finished")
         case EngineDeadError():
-            return Ending(ErrorCode.ENGINE_ERROR, "the inference engine died; restarting")
+            # Handed over to be continued elsewhere (worker/jobs.py), not ended: nothing is
+            # published; the metrics count it as an engine error.
+            return Ending(
+                ErrorCode.ENGINE_ERROR, "the inference engine died; restarting", publish=False
+            )
         case _:
             return Ending(ErrorCode.ENGINE_ERROR, f"generation failed: {type(error).__name__}")

@@ -51,6 +51,7 @@ _EXPORTS = {
     "InvalidAnswer": "edgeq.core.errors",
     "JobTimeout": "edgeq.core.errors",
     "QueueFull": "edgeq.core.errors",
+    "IdempotencyConflict": "edgeq.core.errors",
     "RedisUnavailable": "edgeq.core.errors",
     "StreamBroken": "edgeq.core.errors",
     "StreamClosed": "edgeq.core.errors",
@@ -71,6 +72,7 @@ __all__ = [
     "EdgeqError",
     "ErrorCode",
     "ErrorEvent",
+    "IdempotencyConflict",
     "InvalidAnswer",
     "InvalidRequest",
     "JobFailed",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from edgeq.core.errors import (
         ConfigError,
         EdgeqError,
+        IdempotencyConflict,
         InvalidAnswer,
         InvalidRequest,
         JobFailed,

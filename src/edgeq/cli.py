@@ -22,6 +22,7 @@ from edgeq import __version__
 COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.commands": ("chat", "watch", "cancel", "status"),
     "edgeq.producer.adapter_commands": ("adapters",),
+    "edgeq.producer.dead_letter_commands": ("dead-letter",),
     "edgeq.gateway.commands": ("gateway",),
     "edgeq.gateway.batch_commands": ("batch",),
     "edgeq.worker.commands": ("worker",),

@@ -6,6 +6,7 @@
     ├── RedisUnavailable   Redis unreachable, or it refused the credentials
     ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running, or the tenant's
     │                      EDGEQ_TENANT_MAX_QUEUED queued: retry later
+    ├── IdempotencyConflict  a submit's idempotency key was given to a different request
     ├── JobFailed          the job ended with an ``error`` event (``code``, ``message``)
     ├── InvalidAnswer      a ``schema=`` answer was cut short or does not validate
     ├── JobTimeout         no event within the stream timeout
@@ -39,6 +40,20 @@ class RedisUnavailable(EdgeqError):
 class QueueFull(EdgeqError):
     """The queue already holds EDGEQ_MAX_QUEUE jobs, or the job's tenant its cap of queued
     jobs (EDGEQ_TENANT_MAX_QUEUED); nothing was enqueued. Retry later."""
+
+
+class IdempotencyConflict(EdgeqError):
+    """A submit's idempotency key was already given, within EDGEQ_IDEMPOTENCY_TTL_S, to a job
+    with a different request (``job_id``); nothing was enqueued. A new request needs a new key."""
+
+    def __init__(self, key: str, tenant: str, job_id: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} of tenant {tenant} was given to job {job_id} with a "
+            f"different request; nothing was enqueued (a new request needs a new key)"
+        )
+        self.key = key
+        self.tenant = tenant
+        self.job_id = job_id
 
 
 class JobFailed(EdgeqError):

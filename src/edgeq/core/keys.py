@@ -9,7 +9,10 @@ Per job:
 - ``arq:job:<id>``: the payload, as arq stores it; ``arq:in-progress:<id>``: taken by a
   worker; ``arq:retry:<id>``: its start count; ``arq:result:<id>``: arq's result record;
 - ``edgeq:events:{<id>}``: the replay stream; ``edgeq:terminal:{<id>}``: set with the terminal
-  event; ``edgeq:stream:<id>``: the pub/sub channel the events are published on.
+  event; ``edgeq:stream:<id>``: the pub/sub channel the events are published on;
+- ``edgeq:engine-failures:{<id>}``: how many engine failures (a death or a stall) the job was
+  running at, written by the failing worker before it exits; a job at two is not continued
+  again but quarantined (core/leases.py).
 
 On a Redis Cluster (core/cluster.py) the queue's name carries a hash tag, ``{edgeq:queue}``,
 and every job id begins with it (``{edgeq:queue}3f2a…``, ``new_job_id``): then all of a
@@ -28,6 +31,11 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
   own ``arq:abort``, one set for every queue).
 - ``{queue}:adapters``: hash, LoRA adapter name -> its path on the workers, the adapters every
   worker on the queue serves (core/adapters.py, ``edgeq adapters``).
+- ``{queue}:dead-letter``: sorted set, quarantined job id -> when (Unix ms, Redis's clock);
+  ``{queue}:dead-letter:<id>``: hash, that job's payload, engine failures and reason, expiring
+  after EDGEQ_DEAD_LETTER_TTL_S (core/dead_letter.py, ``edgeq dead-letter``).
+- ``{queue}:idempotency:<tenant>:<key>``: the job id a submit's idempotency key was given,
+  and a hash of its request, for EDGEQ_IDEMPOTENCY_TTL_S (lua/enqueue.lua).
 
 OpenAI's Files and Batches (gateway/batch_store.py), per queue:
 
@@ -111,6 +119,26 @@ def events_key(job_id: str) -> str:
 def terminal_key(job_id: str) -> str:
     """Exists once the job's terminal event is written; nothing is accepted after it."""
     return f"edgeq:terminal:{_in_job_slot(job_id)}"
+
+
+def engine_failures_key(job_id: str) -> str:
+    """How many engine failures (deaths or stalls) the job was running at."""
+    return f"edgeq:engine-failures:{_in_job_slot(job_id)}"
+
+
+def dead_letter_key(queue: str) -> str:
+    """A sorted set per queue: quarantined job id -> when it was quarantined (Unix ms)."""
+    return f"{queue}:dead-letter"
+
+
+def dead_letter_entry_key(queue: str, job_id: str) -> str:
+    """A quarantined job's hash: ``payload`` (arq's record), ``failures``, ``reason``, ``at``."""
+    return f"{queue}:dead-letter:{job_id}"
+
+
+def idempotency_key(queue: str, tenant: str, key: str) -> str:
+    """A submit's idempotency key, scoped by tenant: two tenants' keys never meet."""
+    return f"{queue}:idempotency:{tenant}:{key}"
 
 
 def wake_channel(queue: str) -> str:

@@ -7,6 +7,13 @@ has been started at most ``EDGEQ_MAX_CONTINUATIONS`` times and its payload is ke
 claimable again for any worker, which continues its stream where it stopped
 (worker/jobs.py). Otherwise the job ends with ``worker_lost`` through the event log, so
 exactly one terminal event still holds.
+
+A poison job (a request that kills or hangs the engine) would take down one warm engine per
+continuation. So a worker whose engine died or stalled counts that failure on each job it was
+running (``mark_engine_failures``, before it exits); a job counted at
+``POISON_AFTER_ENGINE_FAILURES`` is not continued again: the hand-over moves its payload to the
+queue's dead-letter set (core/dead_letter.py) and ends it with ``poison_job``. A worker that was
+killed knows of no engine fault and counts nothing: its jobs are continued as before.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from redis.asyncio import Redis
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import (
+    dead_letter_entry_key,
+    dead_letter_key,
+    engine_failures_key,
     events_key,
     in_progress_key,
     job_key,
@@ -26,12 +36,19 @@ from edgeq.core.keys import (
     terminal_key,
     wake_channel,
 )
-from edgeq.core.protocol import ErrorEvent
+from edgeq.core.protocol import ErrorCode, ErrorEvent
 from edgeq.core.scripts import lua_script
 
 # The lease scripts (Redis's clock, not the worker's, decides every lease: lua/clock.lua).
 _RENEW = lua_script("clock", "renew_leases")
 _HAND_OVER = lua_script("clock", "hand_over")
+
+#: Engine failures (deaths or stalls) a job may be running at before it is quarantined: the
+#: first is as likely the engine's fault as the request's; a second on another engine points
+#: at the request, and a poison request costs at most this many engine restarts.
+POISON_AFTER_ENGINE_FAILURES = 2
+#: How long a job's engine-failure count is kept: as long as arq keeps its start count.
+ENGINE_FAILURES_TTL_S = 88_400
 
 
 class Handover(IntEnum):
@@ -39,6 +56,7 @@ class Handover(IntEnum):
     CONTINUED = 1  # claimable again, to be continued
     LOST = 2  # started EDGEQ_MAX_CONTINUATIONS + 1 times: ended with worker_lost
     LOST_REQUEST = 3  # its request is no longer in Redis: ended with worker_lost
+    QUARANTINED = 4  # at POISON_AFTER_ENGINE_FAILURES: in the dead-letter set, ended poison_job
 
 
 async def redis_now_ms(redis: Redis) -> int:
@@ -68,6 +86,28 @@ async def lease_expired(redis: Redis, queue: str, job_id: str) -> bool:
     return expiry_ms is not None and expiry_ms < await redis_now_ms(redis)
 
 
+async def mark_engine_failures(redis: Redis, job_ids: list[str]) -> None:
+    """Count an engine failure (a death or a stall) on each job the engine was running: the
+    failing worker's last Redis step before it exits."""
+    if job_ids:
+        async with redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.incr(engine_failures_key(job_id))
+                pipe.expire(engine_failures_key(job_id), ENGINE_FAILURES_TTL_S)
+            await pipe.execute()
+
+
+async def engine_failures(redis: Redis, job_id: str) -> int:
+    """How many engine failures the job was running at."""
+    return int(await redis.get(engine_failures_key(job_id)) or 0)
+
+
+POISON_MESSAGE = (
+    "the job was running on {failures} engines that died or stalled, so it was not continued "
+    "again: its request was moved to the dead-letter set (edgeq dead-letter show {job_id}); "
+    "sending it again unchanged will likely fail the same way"
+)
+
 LOST_MESSAGE = (
     "the worker running this job stopped (crash, kill or power loss) before it finished, and "
     "it could not be continued ({why}); it is safe to submit it again"
@@ -91,8 +131,23 @@ async def declare_lost(
     """End a job whose worker stopped renewing its lease, and make sure arq never runs it
     again. True if this call ended it."""
     event = ErrorEvent(
-        job_id=job_id, seq=0, code="worker_lost", message=LOST_MESSAGE.format(why=why)
+        job_id=job_id, seq=0, code=ErrorCode.WORKER_LOST.value, message=LOST_MESSAGE.format(why=why)
     )
+    return await _end_for_good(redis, log, event, queue=queue)
+
+
+async def declare_poison(redis: Redis, log: EventLog, job_id: str, *, queue: str) -> bool:
+    """End a quarantined job (its payload is in the dead-letter set already) with
+    ``poison_job``. True if this call ended it."""
+    failures = await engine_failures(redis, job_id)
+    message = POISON_MESSAGE.format(failures=failures, job_id=job_id)
+    event = ErrorEvent(job_id=job_id, seq=0, code=ErrorCode.POISON_JOB.value, message=message)
+    return await _end_for_good(redis, log, event, queue=queue)
+
+
+async def _end_for_good(redis: Redis, log: EventLog, event: ErrorEvent, *, queue: str) -> bool:
+    """Append the job's terminal event and remove arq's records, so arq never runs it again."""
+    job_id = event.job_id
     try:
         await log.append(event)
         ended = True
@@ -115,21 +170,27 @@ async def hand_over(
     max_continuations: int,
     deadline_s: float,
     lease_ttl_s: float,
+    dead_letter_ttl_s: float,
 ) -> Handover:
     """A job whose lease ran out: make it claimable again for a worker to continue within
     ``deadline_s``, or, once it was started ``max_continuations`` + 1 times (a prompt that
-    kills every worker it reaches) or its payload is gone, end it with ``worker_lost``."""
+    kills every worker it reaches) or its payload is gone, end it with ``worker_lost``; or,
+    once it was running at ``POISON_AFTER_ENGINE_FAILURES`` engine failures, keep its payload
+    in the dead-letter set for ``dead_letter_ttl_s`` and end it with ``poison_job``."""
     script = redis.register_script(_HAND_OVER)
     keys = [
         leases_key(queue), queue, in_progress_key(job_id), job_key(job_id),
-        terminal_key(job_id), retry_key(job_id),
+        terminal_key(job_id), retry_key(job_id), engine_failures_key(job_id),
+        dead_letter_key(queue), dead_letter_entry_key(queue, job_id),
     ]  # fmt: skip
     args = [
         job_id, max_continuations, int(deadline_s * 1000), wake_channel(queue),
-        int(lease_ttl_s * 1000),
+        int(lease_ttl_s * 1000), POISON_AFTER_ENGINE_FAILURES, int(dead_letter_ttl_s * 1000),
     ]  # fmt: skip
     outcome = Handover(int(await script(keys=keys, args=args)))
-    if outcome is Handover.LOST:
+    if outcome is Handover.QUARANTINED:
+        await declare_poison(redis, log, job_id, queue=queue)
+    elif outcome is Handover.LOST:
         why = f"it was started {max_continuations + 1} times (EDGEQ_MAX_CONTINUATIONS)"
         if not max_continuations:
             why = "EDGEQ_MAX_CONTINUATIONS=0"
@@ -148,6 +209,7 @@ async def reap_lost_jobs(
     max_continuations: int,
     deadline_s: float,
     lease_ttl_s: float,
+    dead_letter_ttl_s: float,
 ) -> dict[str, Handover]:
     """Hand over every job whose lease ran out; returns what became of each this call took."""
     expired = await redis.zrangebyscore(leases_key(queue), "-inf", await redis_now_ms(redis))
@@ -157,6 +219,7 @@ async def reap_lost_jobs(
         outcome = await hand_over(
             redis, log, job_id, queue=queue,
             max_continuations=max_continuations, deadline_s=deadline_s, lease_ttl_s=lease_ttl_s,
+            dead_letter_ttl_s=dead_letter_ttl_s,
         )  # fmt: skip
         if outcome is not Handover.NOT_EXPIRED:
             outcomes[job_id] = outcome

@@ -52,6 +52,7 @@ class ErrorCode(StrEnum):
     EXPIRED = "expired"
     WORKER_LOST = "worker_lost"
     ENGINE_ERROR = "engine_error"
+    POISON_JOB = "poison_job"
 
 
 # --- the request -----------------------------------------------------------------------------

@@ -101,6 +101,23 @@ class ConnectionSettings(BaseSettings):
             "worker's restart time and below EDGEQ_STREAM_TIMEOUT_S - EDGEQ_LEASE_TTL_S."
         ),
     )
+    dead_letter_ttl_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description=(
+            "How long a quarantined job (one running at two engine failures: a poison job) "
+            "stays in the dead-letter set for `edgeq dead-letter show|retry`."
+        ),
+    )
+    idempotency_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "How long a submit's idempotency key holds: the same key (per tenant) within it "
+            "returns the job it was first given instead of enqueueing another. Keep it at or "
+            "below EDGEQ_REPLAY_TTL_S, so a retry can still read that job's events."
+        ),
+    )
     lease_ttl_s: float = Field(
         10.0,
         gt=0,

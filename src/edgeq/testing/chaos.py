@@ -10,7 +10,8 @@ RESTART_DELAY_S (systemd's ``Restart=always``), optionally the gateway, and then
 - injects a seeded schedule of faults, one at a time (``FAULT_KINDS``): worker SIGKILL, worker
   SIGSTOP past its lease, Redis restart (SIGTERM or SIGKILL, same port and data), Redis away
   past the workers' outage limit, gateway SIGKILL, and one worker's link to Redis slowed or
-  cut: each worker reaches Redis through a proxy of the harness's own (testing/link.py).
+  cut: each worker reaches Redis through a proxy of the harness's own (testing/link.py);
+  and, when named, one worker's engine frozen (``OPT_IN_FAULT_KINDS``).
 
 Every accepted job is then checked against docs/guarantees.md (``check_job``): one terminal
 event, ``seq`` gap-free and unrepeated, the live stream equal to the replay buffer, arq's
@@ -58,6 +59,7 @@ from edgeq.core.errors import (
 from edgeq.core.events import read_events
 from edgeq.core.keys import leases_key, result_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.exit_codes import EXIT_ENGINE_STALLED
 from edgeq.testing.link import LinkProxy
 from edgeq.testing.processes import (
     DEFAULT_READY_TIMEOUT_S,
@@ -111,6 +113,19 @@ FAULT_KINDS = (
     "kill_worker", "stop_worker", "restart_redis", "redis_outage", "kill_gateway",
     "slow_link", "drop_link",
 )  # fmt: skip
+#: Faults a campaign runs only when ``--faults`` names them (not in the default mix, so the
+#: seeded schedules of FAULT_KINDS stay as they were): ``freeze_engine`` SIGSTOPs one worker's
+#: engine processes only, its worker left running, until the worker notices the stall and
+#: ends itself (worker/liveness.py, exit 70); its chats must be continued elsewhere (#41).
+OPT_IN_FAULT_KINDS = ("freeze_engine",)
+ALL_FAULT_KINDS = FAULT_KINDS + OPT_IN_FAULT_KINDS
+#: The workers' EDGEQ_ENGINE_STALL_S and EDGEQ_ENGINE_STALL_EXIT_S when engines are frozen:
+#: short, so a frozen engine's worker ends within a campaign; far above the tiny model's
+#: longest step (69 ms, docs/configuration.md).
+CHAOS_ENGINE_STALL_S = 4.0
+CHAOS_ENGINE_STALL_EXIT_S = 4.0
+#: How long a frozen engine's worker gets to end itself, beyond the two settings.
+STALLED_EXIT_GRACE_S = 30.0
 #: How late a slowed link delivers each byte, each way (seconds).
 SLOW_LINK_DELAY_S = (0.05, 0.4)
 JOB_KINDS = ("plain", "long", "json", "tool", "cancel", "deadline")
@@ -173,7 +188,9 @@ def fault_hold_s(kind: str, rng: random.Random, lease_ttl_s: float, outage_s: fl
         return rng.uniform(3.0, 8.0)
     if kind == "drop_link":  # shorter than the lease (it rides it out) or well past it
         return rng.uniform(1.0, 2.5 * lease_ttl_s)
-    return 0.0  # a kill is instant; the supervisor restarts the process
+    # A kill is instant, and a frozen engine holds until its worker ends itself; the
+    # supervisor restarts the process.
+    return 0.0
 
 
 def fault_schedule(
@@ -375,6 +392,8 @@ class Cluster:
     gateway_starts: int = 0
     #: Each worker slot's link to Redis, by slot name (started in the campaign's event loop).
     links: dict[str, LinkProxy] = field(default_factory=dict)
+    #: The workers get short stall settings (a campaign with ``freeze_engine``).
+    engine_stall: bool = False
 
     def __post_init__(self) -> None:
         data = self.workdir / "redis"
@@ -410,6 +429,11 @@ class Cluster:
             "PYTHONUNBUFFERED": "1",
             "TMPDIR": str(self.tmpdir),
         }
+        if self.engine_stall:
+            env |= {
+                "EDGEQ_ENGINE_STALL_S": str(CHAOS_ENGINE_STALL_S),
+                "EDGEQ_ENGINE_STALL_EXIT_S": str(CHAOS_ENGINE_STALL_EXIT_S),
+            }
         return env | (TINY_ENGINE_ENV if self.tiny else {})
 
     # --- workers ------------------------------------------------------------------------------
@@ -484,6 +508,37 @@ class Cluster:
         self.engines.extend(identify(engine_pids(slot.pid)))
         slot.killed = True
         os.kill(slot.pid, signal.SIGKILL)
+
+    async def freeze_engine(self, slot: WorkerSlot) -> tuple[int | None, float]:
+        """SIGSTOP the worker's engine processes only, as a hung GPU leaves them, and wait for
+        the worker to end itself; its exit code (None: it did not) and how long it took."""
+        from edgeq.worker.engine_processes import engine_pids, identify
+
+        assert slot.pid is not None and slot.worker is not None
+        pids = engine_pids(slot.pid)
+        self.engines.extend(identify(pids))
+        slot.killed = True  # an exit the harness caused: no surprise
+        started = time.monotonic()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        deadline = started + CHAOS_ENGINE_STALL_S + CHAOS_ENGINE_STALL_EXIT_S
+        deadline += STALLED_EXIT_GRACE_S
+        process = slot.worker.process
+        try:
+            # Polled on the event loop, not waited for in a thread: Ctrl-C must not wait.
+            while time.monotonic() < deadline:
+                if process is None or process.poll() is not None:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            for pid in pids:  # the worker kills them; resumed in case it did not
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        code = process.poll() if process is not None else None
+        if code is None:
+            slot.killed = False  # it serves on: a later exit of its own is a surprise again
+        return code, time.monotonic() - started
 
     def freeze_worker(self, slot: WorkerSlot, frozen: bool) -> None:
         """SIGSTOP (or SIGCONT) the worker and its engine processes: a stalled box."""
@@ -573,9 +628,12 @@ class Cluster:
                 if job_id in line and line.startswith("{"):
                     with contextlib.suppress(ValueError):
                         event = json.loads(line)
-                        trail.append(f"{log.stem} {event.get('timestamp', '')} {event.get('event')}"
-                                     f" {event.get('code') or event.get('finish_reason') or ''}")
+                        trail.append(
+                            f"{log.stem} {event.get('timestamp', '')} {event.get('event')}"
+                            f" {event.get('code') or event.get('finish_reason') or ''}"
+                        )
         return trail
+
 
 # --- the campaign ------------------------------------------------------------------------------
 
@@ -975,7 +1033,7 @@ class Campaign:
         cluster = self.cluster
         start = self.now()
         detail = ""
-        if fault.kind in ("kill_worker", "stop_worker", "slow_link", "drop_link"):
+        if fault.kind in ("kill_worker", "stop_worker", "slow_link", "drop_link", "freeze_engine"):
             slot = await self._victim(fault)
             if slot is None:
                 self.report.skipped_faults.append(f"{fault.kind} at {start:.1f}: no worker ready")
@@ -984,6 +1042,19 @@ class Campaign:
             detail = f"{slot.name}#{slot.incarnation} pid {slot.pid}"
             if fault.kind == "kill_worker":
                 cluster.kill_worker(slot)
+            elif fault.kind == "freeze_engine":
+                loaded = self.now() < self.duration_s
+                code, took_s = await cluster.freeze_engine(slot)
+                detail += f", engine frozen: worker exited {code} after {took_s:.1f} s"
+                if code is None and not loaded:
+                    # An idle engine makes no steps and is never stalled (worker/liveness.py):
+                    # frozen after the load ended, it may get no work to stall on.
+                    detail += " (the load had ended: no work to stall on)"
+                elif code != EXIT_ENGINE_STALLED:
+                    self.general_problems.append(
+                        f"{slot.name}: its engine frozen, the worker exited {code} after "
+                        f"{took_s:.1f} s, not {EXIT_ENGINE_STALLED} (worker/liveness.py)"
+                    )
             elif fault.kind in ("slow_link", "drop_link"):
                 link = cluster.links[slot.name]
                 if fault.kind == "slow_link":
@@ -1092,7 +1163,8 @@ def run_chaos_command(
         from edgeq.testing.tiny_model import make_tiny_model
 
         model = make_tiny_model(root / "tiny-model").directory
-    cluster = Cluster(root, model, workers, gateway, lease_ttl_s, outage_s, tiny)
+    cluster = Cluster(root, model, workers, gateway, lease_ttl_s, outage_s, tiny,
+                      engine_stall="freeze_engine" in faults)  # fmt: skip
     campaign = Campaign(cluster, seed, duration_s, in_flight, faults)
     print(f"chaos: seed {seed}, {duration_s:g} s, {workers} workers, {in_flight} in flight, "
           f"logs in {root}/logs", flush=True)  # fmt: skip

@@ -41,13 +41,13 @@ def run_chaos(args: argparse.Namespace) -> int:
 
 
 def fault_kinds(value: str) -> tuple[str, ...]:
-    from edgeq.testing.chaos import FAULT_KINDS
+    from edgeq.testing.chaos import ALL_FAULT_KINDS
 
     kinds = tuple(kind.strip() for kind in value.split(",") if kind.strip())
-    unknown = sorted(set(kinds) - set(FAULT_KINDS))
+    unknown = sorted(set(kinds) - set(ALL_FAULT_KINDS))
     if unknown or not kinds:
         raise argparse.ArgumentTypeError(
-            f"unknown fault kinds {unknown}; choose from {', '.join(FAULT_KINDS)}"
+            f"unknown fault kinds {unknown}; choose from {', '.join(ALL_FAULT_KINDS)}"
         )
     return kinds
 
@@ -92,9 +92,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=fault_kinds,
         default=None,
         help=(
-            "comma-separated fault kinds (default: all): kill_worker, stop_worker, "
-            "restart_redis, redis_outage, kill_gateway (only with --gateway), slow_link, "
-            "drop_link"
+            "comma-separated fault kinds (default: all but freeze_engine): kill_worker, "
+            "stop_worker, restart_redis, redis_outage, kill_gateway (only with --gateway), "
+            "slow_link, drop_link, freeze_engine (one worker's engine frozen until the "
+            "worker ends itself)"
         ),
     )
     chaos.set_defaults(handler=run_chaos)

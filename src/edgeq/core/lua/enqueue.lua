@@ -3,10 +3,17 @@
 -- wakes the workers once per batch.
 --
 -- KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
--- queued-by-tenant, aging and tenancy keys (core/scheduling.py), and optionally the queue's
--- batch lines (core/keys.py batch_lines_key); ARGV: the payload, its TTL (ms), the queue's
--- limit, the job id, the wake channel, the band, the tenant. Returns {Enqueued, the tenant's
--- cap when it is TENANT_FULL}.
+-- queued-by-tenant, aging and tenancy keys (core/scheduling.py), optionally the queue's
+-- batch lines (core/keys.py batch_lines_key), and optionally (after the batch lines) the
+-- submit's idempotency key (core/keys.py idempotency_key); ARGV: the payload, its TTL (ms),
+-- the queue's limit, the job id, the wake channel, the band, the tenant, and with the
+-- idempotency key the request's hash and how long the key holds (ms). Returns {Enqueued, the
+-- tenant's cap when it is TENANT_FULL, or the job id the idempotency key was given when it is
+-- EXISTING or IDEMPOTENCY_CONFLICT}.
+--
+-- The idempotency key is looked at first, so a retried submit gets its job's id even when the
+-- queue has filled up since; it is taken only with the enqueue. Calls of one batch run one
+-- after the other in this script, so 50 submits with one key enqueue one job.
 --
 -- The lines of batches (gateway/batch_runner.py) are bounded on their own
 -- (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; their runner enqueues them with no limit) and left out of
@@ -20,6 +27,15 @@ local function per_batch(key, read)
   return batch[key]
 end
 local limit, band, tenant = tonumber(ARGV[3]), tonumber(ARGV[6]), ARGV[7]
+if KEYS[9] then
+  local held = redis.call('GET', KEYS[9])
+  if held then
+    local space = string.find(held, ' ', 1, true)
+    local held_id = string.sub(held, 1, space - 1)
+    if string.sub(held, space + 1) == ARGV[8] then return {2, held_id} end
+    return {-3, held_id}
+  end
+end
 local depth_key = 'depth:' .. KEYS[1]
 local function depth() return redis.call('ZCARD', KEYS[1]) end
 if limit > 0 then
@@ -51,6 +67,7 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[1], score_of(band, start), ARGV[4])
 redis.call('HSET', KEYS[4], ARGV[4], band .. ':' .. tenant)
 redis.call('HINCRBY', KEYS[5], tenant, 1)
+if KEYS[9] then redis.call('SET', KEYS[9], ARGV[4] .. ' ' .. ARGV[8], 'PX', ARGV[9]) end
 if batch[depth_key] then batch[depth_key] = batch[depth_key] + 1 end
 local aging_ms = tonumber(rules[4] or '0')
 if band > 0 and aging_ms > 0 then

@@ -1,0 +1,122 @@
+"""The dead-letter set: poison jobs, kept for a person to look at, send again or drop.
+
+A job that was running at two engine failures is quarantined by its hand-over (core/leases.py,
+lua/hand_over.lua): instead of being continued on a third engine, its arq record is copied,
+in the same step, to ``{queue}:dead-letter:<id>`` (with the failure count and when), its id
+added to the ``{queue}:dead-letter`` sorted set, and it ends with ``poison_job``. An entry
+expires after EDGEQ_DEAD_LETTER_TTL_S; the index forgets expired entries as it is read and
+written. ``edgeq dead-letter list | show | retry | drop`` (producer/dead_letter_commands.py)
+is the operator's side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from redis.asyncio import Redis
+
+from edgeq.core.keys import dead_letter_entry_key, dead_letter_key
+from edgeq.core.leases import redis_now_ms
+from edgeq.core.scheduling import DEFAULT_TENANT
+
+#: Why every entry is there (one reason today: the hand-over's).
+QUARANTINE_REASON = "engine_failures"
+#: What ``model`` shows for a request that named no adapter: the workers' own model.
+BASE_MODEL = "(base model)"
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One quarantined job."""
+
+    job_id: str
+    #: When it was quarantined (Unix ms, Redis's clock).
+    at_ms: int
+    #: The engine failures it was running at.
+    failures: int
+    #: Its request as it was enqueued (a dict; None if the record is not a readable arq job).
+    request: dict[str, Any] | None
+
+    @property
+    def reason(self) -> str:
+        return f"{QUARANTINE_REASON}={self.failures}"
+
+    @property
+    def tenant(self) -> str:
+        tenant = (self.request or {}).get("tenant")
+        return tenant if isinstance(tenant, str) else DEFAULT_TENANT
+
+    @property
+    def model(self) -> str:
+        adapter = (self.request or {}).get("adapter")
+        return adapter if isinstance(adapter, str) else BASE_MODEL
+
+    @property
+    def when(self) -> str:
+        return datetime.fromtimestamp(self.at_ms / 1000, UTC).isoformat(timespec="seconds")
+
+    def summary(self, *, with_request: bool = False) -> dict[str, Any]:
+        """What ``list`` and ``show`` print; the request (the prompt) only when asked."""
+        shown: dict[str, Any] = {
+            "job_id": self.job_id,
+            "quarantined_at": self.when,
+            "reason": self.reason,
+            "tenant": self.tenant,
+            "model": self.model,
+        }
+        if with_request:
+            shown["request"] = self.request
+        return shown
+
+
+def _request_of(payload: bytes | None) -> dict[str, Any] | None:
+    """The chat request inside an arq job record, as the client enqueued it."""
+    try:
+        record = json.loads(payload or b"")
+        request = record["a"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return request if isinstance(request, dict) else None
+
+
+async def _forget_expired(redis: Redis, queue: str, ttl_s: float) -> None:
+    oldest_ms = await redis_now_ms(redis) - int(ttl_s * 1000)
+    await redis.zremrangebyscore(dead_letter_key(queue), "-inf", oldest_ms)
+
+
+async def read_dead_letter(redis: Redis, queue: str, job_id: str) -> DeadLetter | None:
+    """The entry of a quarantined job, or None (never quarantined, expired or dropped)."""
+    entry = await redis.hgetall(dead_letter_entry_key(queue, job_id))
+    if not entry:
+        return None
+    return DeadLetter(
+        job_id=job_id,
+        at_ms=int(entry.get(b"at", b"0")),
+        failures=int(entry.get(b"failures", b"0")),
+        request=_request_of(entry.get(b"payload")),
+    )
+
+
+async def list_dead_letters(redis: Redis, queue: str, *, ttl_s: float) -> list[DeadLetter]:
+    """Every quarantined job still kept, oldest first."""
+    await _forget_expired(redis, queue, ttl_s)
+    letters = []
+    for raw in await redis.zrange(dead_letter_key(queue), 0, -1):
+        job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if (letter := await read_dead_letter(redis, queue, job_id)) is not None:
+            letters.append(letter)
+        else:  # its entry expired before the index noticed
+            await redis.zrem(dead_letter_key(queue), job_id)
+    return letters
+
+
+async def drop_dead_letter(redis: Redis, queue: str, job_id: str) -> bool:
+    """Forget a quarantined job; False if it was not there."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.zrem(dead_letter_key(queue), job_id)
+        pipe.delete(dead_letter_entry_key(queue, job_id))
+        removed, deleted = await pipe.execute()
+    return bool(removed or deleted)
