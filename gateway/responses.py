@@ -6,8 +6,9 @@
     POST   /v1/responses/{id}/cancel     cancel its job
     DELETE /v1/responses/{id}            forget it (and cancel its job if it still runs)
 
-The gateway keeps no state: a stored response is its request in Redis (response_store.py) and
-its job's events; its stream is computed from them (response_events.py), so any gateway
+The gateway keeps no state: a stored response is its request in Redis and its job's events
+(edgeq.resources.responses.store); its stream is computed from them
+(edgeq.resources.responses.events), so any gateway
 process serves any response, and a stream resumes at the event after ``starting_after`` after
 the client, the gateway, a worker or Redis (with AOF) went away. A stored response belongs to
 the tenant that created it: another tenant gets 404, as for an id that does not exist.
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 import anyio
 import structlog
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
@@ -29,24 +30,32 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from edgeq.core.errors import EdgeqError
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, dump_json
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.chat import submit
 from edgeq.gateway.errors import ApiError, client_error, job_error
 from edgeq.gateway.jobs import (
     CLIENT_CLOSED_REQUEST,
     JOB_ID_HEADER,
     ClientGone,
     cancel_job,
+    submit_job,
     until_disconnected,
 )
-from edgeq.gateway.models import ModelNamesDep
-from edgeq.gateway.openai_api import (
+from edgeq.gateway.state import (
+    ClientDep,
+    FollowerDep,
+    ModelNamesDep,
+    ResponseStoreDep,
+    SettingsDep,
+)
+from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.resources.model_names import ModelNames
+from edgeq.resources.openai_api import (
     ChatCompletionRequest,
     Metadata,
     RequestBody,
     RequestPart,
     field_error,
 )
-from edgeq.gateway.response_events import (
+from edgeq.resources.responses.events import (
     TERMINAL_STATUSES,
     ResponseEvents,
     ResponseState,
@@ -55,9 +64,8 @@ from edgeq.gateway.response_events import (
     job_id_of,
     response_json,
 )
-from edgeq.gateway.response_store import ResponseStore
-from edgeq.gateway.state import ClientDep, SettingsDep
-from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.resources.responses.follower import ResponseFollower
+from edgeq.resources.responses.store import ResponseStore, StoredResponse
 
 log = structlog.get_logger("edgeq.gateway")
 router = APIRouter()
@@ -221,6 +229,33 @@ class CreateResponse(RequestBody):
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         return messages
 
+    def stored(self, job_id: str, tenant: str, history: list[dict[str, Any]]) -> StoredResponse:
+        """What is kept of this request with its job (the conversation: ``history`` and the
+        input, for a later previous_response_id to continue)."""
+        return StoredResponse(
+            job_id=job_id,
+            created_at=time.time(),
+            tenant=tenant,
+            model=self.model,
+            instructions=self.instructions,
+            metadata=self.metadata,
+            max_output_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            text=self.text.model_dump(by_alias=True, exclude_none=True) if self.text else None,
+            tools=[tool.model_dump(exclude_none=True) for tool in self.tools or ()],
+            tool_choice=(
+                self.tool_choice.model_dump()
+                if isinstance(self.tool_choice, FunctionChoice)
+                else self.tool_choice
+            ),
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            store=self.store,
+            background=self.background,
+            previous_response_id=self.previous_response_id,
+            messages=history + self.messages(),
+        )
+
     def chat_fields(self) -> dict[str, Any]:
         """The sampling, format and tool fields in the chat endpoint's spelling."""
         fields: dict[str, Any] = {
@@ -269,14 +304,6 @@ class CreateResponse(RequestBody):
 # --- helpers ---------------------------------------------------------------------------------
 
 
-async def response_store(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses
-    return store
-
-
-StoreDep = Annotated[ResponseStore, Depends(response_store)]
-
-
 def not_found(response_id: str, param: str | None = None) -> ApiError:
     return ApiError(
         404 if param is None else 400,
@@ -295,11 +322,11 @@ async def load_owned(
     tenant: str,
     *,
     param: str | None = None,
-) -> tuple[dict[str, Any], list[DeltaEvent | DoneEvent | ErrorEvent] | None]:
+) -> tuple[StoredResponse, list[DeltaEvent | DoneEvent | ErrorEvent] | None]:
     """The stored response if ``tenant`` owns it; else the same error as for no response."""
     job_id = job_id_of(response_id)
     loaded = None if job_id is None else await store.load(job_id)
-    if loaded is None or loaded[0].get("tenant") != tenant:
+    if loaded is None or loaded[0].tenant != tenant:
         raise not_found(response_id, param)
     return loaded
 
@@ -309,9 +336,9 @@ def tenant_of(tenant: str | None, client: ChatClient) -> str:
 
 
 async def current_state(
-    store: ResponseStore, request: dict[str, Any], stored: list[Any] | None
+    store: ResponseStore, request: StoredResponse, stored: list[Any] | None
 ) -> ResponseState:
-    events = await store.events(request["job_id"], stored)
+    events = await store.events(request.job_id, stored)
     return final_state(request, events)
 
 
@@ -330,7 +357,8 @@ async def create_response(
     client: ClientDep,
     models: ModelNamesDep,
     settings: SettingsDep,
-    store: StoreDep,
+    store: ResponseStoreDep,
+    follower: FollowerDep,
 ) -> Response:
     owner = tenant_of(tenant, client)
     if body.background and not body.store:
@@ -344,61 +372,12 @@ async def create_response(
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = await _conversation_of(store, body.previous_response_id, owner)
-    messages = history + body.messages()
-    if body.instructions:
-        messages = [{"role": "system", "content": body.instructions}, *messages]
-    try:
-        chat_body = ChatCompletionRequest.model_validate(
-            {"model": body.model, "messages": messages, **body.chat_fields()}
-        )
-    except ValueError as error:
-        raise ApiError(
-            400, str(error), type="invalid_request_error", code="invalid_request"
-        ) from None
-    try:
-        job, _ = await submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
-    except ApiError as error:  # named as the chat request spells them: say it the Responses way
-        body = error.body["error"]
-        for chat_name, name in RENAMED_FIELDS:
-            body["message"] = body["message"].replace(chat_name, name)
-            if body["param"] is not None:
-                body["param"] = body["param"].replace(chat_name, name)
-        raise
-    record = {
-        "job_id": job.job_id,
-        "created_at": time.time(),
-        "tenant": owner,
-        "model": body.model,
-        "instructions": body.instructions,
-        "metadata": body.metadata,
-        "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else None,
-        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
-        "tool_choice": (
-            body.tool_choice.model_dump()
-            if isinstance(body.tool_choice, FunctionChoice)
-            else body.tool_choice
-        ),
-        "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "store": body.store,
-        "background": body.background,
-        "previous_response_id": body.previous_response_id,
-        "messages": history + body.messages(),  # what a later previous_response_id continues
-    }
+    chat_body = _chat_body(body, history)
+    job = await _submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
+    record = body.stored(job.job_id, owner, history)
     bound = log.bind(job_id=job.job_id, stream=body.stream, background=body.background)
     if body.store:
-        try:
-            await store.save(job.job_id, record)
-        except Exception:  # the caller gets no id: the job must not run for nobody
-            await cancel_job(job, "the gateway could not store the response")
-            await job.aclose()
-            raise
-        try:
-            await request.app.state.response_follower.adopt(job.job_id)
-        except Exception as error:  # Redis away: the next scan of any gateway adopts it
-            bound.warning("response_adopt_failed", error=f"{type(error).__name__}: {error}")
+        await _store(job, record, store, follower, bound)
     headers = {JOB_ID_HEADER: job.job_id}
     if body.stream:
         bound.info("response_streaming")
@@ -412,20 +391,84 @@ async def create_response(
         bound.info("response_background")
         state = ResponseState(status="queued")
         return JSONResponse(response_json(record, state), headers=headers)
+    state = await _answer(request, job, record)
+    if state is None:  # the client left: its job is cancelled
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    bound.info("response_done", status=state.status)
+    return JSONResponse(response_json(record, state), headers=headers)
+
+
+def _chat_body(body: CreateResponse, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion a response asks for: its instructions, the conversation it
+    continues and its input."""
+    messages = history + body.messages()
+    if body.instructions:
+        messages = [{"role": "system", "content": body.instructions}, *messages]
+    try:
+        return ChatCompletionRequest.model_validate(
+            {"model": body.model, "messages": messages, **body.chat_fields()}
+        )
+    except ValueError as error:
+        raise ApiError(
+            400, str(error), type="invalid_request_error", code="invalid_request"
+        ) from None
+
+
+async def _submit(
+    client: ChatClient,
+    models: ModelNames,
+    chat_body: ChatCompletionRequest,
+    tenant: str | None,
+    retry_after_s: int,
+) -> ChatJob:
+    try:
+        job, _ = await submit_job(client, models, chat_body, tenant, retry_after_s)
+    except ApiError as error:  # named as the chat request spells them: say it the Responses way
+        fields = error.body["error"]
+        for chat_name, name in RENAMED_FIELDS:
+            fields["message"] = fields["message"].replace(chat_name, name)
+            if fields["param"] is not None:
+                fields["param"] = fields["param"].replace(chat_name, name)
+        raise
+    return job
+
+
+async def _store(
+    job: ChatJob,
+    record: StoredResponse,
+    store: ResponseStore,
+    follower: ResponseFollower,
+    bound: structlog.typing.FilteringBoundLogger,
+) -> None:
+    """Store the response and follow it from this process (any other may take it over)."""
+    try:
+        await store.save(record)
+    except Exception:  # the caller gets no id: the job must not run for nobody
+        await cancel_job(job, "the gateway could not store the response")
+        await job.aclose()
+        raise
+    try:
+        await follower.adopt(job.job_id)
+    except Exception as error:  # Redis away: the next scan of any gateway adopts it
+        bound.warning("response_adopt_failed", error=f"{type(error).__name__}: {error}")
+
+
+async def _answer(request: Request, job: ChatJob, record: StoredResponse) -> ResponseState | None:
+    """The ended response's state, read from its job's stream while the client waits; None
+    if the client left first (the job is cancelled then)."""
     mapper = ResponseEvents(record)
     try:
         await until_disconnected(request, _follow(job, mapper))
     except ClientGone:
         await cancel_job(job, "the HTTP client disconnected")
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return None
     except EdgeqError as error:
         await cancel_job(job, f"the gateway lost the job's stream: {error}")
         raise client_error(error) from None
     error = mapper.state.error
     if error is not None and not mapper.state.text and error.code != "cancelled":
         raise job_error(error.code, error.message)  # refused: a status, as the chat path
-    bound.info("response_done", status=mapper.state.status)
-    return JSONResponse(response_json(record, mapper.state), headers=headers)
+    return mapper.state
 
 
 async def _follow(job: ChatJob, mapper: ResponseEvents) -> None:
@@ -450,12 +493,12 @@ async def _conversation_of(
     answer: dict[str, Any] = {"role": "assistant", "content": state.output_text}
     if state.done is not None and state.done.tool_calls:
         answer["tool_calls"] = [call.model_dump(mode="json") for call in state.done.tool_calls]
-    return [*request["messages"], answer]
+    return [*request.messages, answer]
 
 
 async def _live(
     job: ChatJob | None,
-    record: dict[str, Any],
+    record: StoredResponse,
     *,
     starting_after: int,
     cancel_on_leave: bool,
@@ -502,12 +545,12 @@ async def retrieve_response(
     response_id: str,
     tenant: TenantDep,
     client: ClientDep,
-    store: StoreDep,
+    store: ResponseStoreDep,
     stream: bool = False,
     starting_after: Annotated[int, Query(ge=-1)] = -1,
 ) -> Response:
     record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
-    job_id = record["job_id"]
+    job_id = record.job_id
     if not stream:
         state = await current_state(store, record, stored)
         return JSONResponse(response_json(record, state), headers={JOB_ID_HEADER: job_id})
@@ -526,14 +569,12 @@ async def retrieve_response(
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(
-    response_id: str, tenant: TenantDep, client: ClientDep, store: StoreDep
+    response_id: str, tenant: TenantDep, client: ClientDep, store: ResponseStoreDep
 ) -> Response:
     record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
     if stored is None:
         try:
-            await client.cancel(
-                record["job_id"], f"cancelled via /v1/responses/{response_id}/cancel"
-            )
+            await client.cancel(record.job_id, f"cancelled via /v1/responses/{response_id}/cancel")
         except EdgeqError as error:
             raise client_error(error) from None
     state = await current_state(store, record, stored)
@@ -542,13 +583,13 @@ async def cancel_response(
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(
-    response_id: str, tenant: TenantDep, client: ClientDep, store: StoreDep
+    response_id: str, tenant: TenantDep, client: ClientDep, store: ResponseStoreDep
 ) -> Response:
     record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
     if stored is None:  # nobody can read it any more: stop generating it
         try:
-            await client.cancel(record["job_id"], "its response was deleted")
+            await client.cancel(record.job_id, "its response was deleted")
         except EdgeqError as error:
             raise client_error(error) from None
-    await store.delete(record["job_id"])
+    await store.delete(record.job_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.commands": ("chat", "watch", "cancel", "status"),
     "edgeq.producer.adapter_commands": ("adapters",),
     "edgeq.gateway.commands": ("gateway",),
-    "edgeq.gateway.batch_commands": ("batch",),
+    "edgeq.resources.batches.commands": ("batch",),
     "edgeq.worker.commands": ("worker",),
     "edgeq.testing.commands": ("make-tiny-model", "chaos"),
     "edgeq.deploy.commands": ("bundle",),

@@ -27,7 +27,7 @@ from edgeq.core.keys import (
     wake_channel,
 )
 from edgeq.core.protocol import ErrorEvent
-from edgeq.core.scripts import lua_script
+from edgeq.core.scripts import lua_script, registered
 
 # The lease scripts (Redis's clock, not the worker's, decides every lease: lua/clock.lua).
 _RENEW = lua_script("clock", "renew_leases")
@@ -49,7 +49,7 @@ async def redis_now_ms(redis: Redis) -> int:
 async def renew_leases(redis: Redis, queue: str, job_ids: list[str], *, ttl_s: float) -> None:
     """A worker's promise that these jobs are alive for ``ttl_s`` from now (on Redis's clock)."""
     if job_ids:
-        renew = redis.register_script(_RENEW)
+        renew = registered(redis, _RENEW)
         await renew(keys=[leases_key(queue)], args=[int(ttl_s * 1000), *job_ids])
 
 
@@ -119,7 +119,7 @@ async def hand_over(
     """A job whose lease ran out: make it claimable again for a worker to continue within
     ``deadline_s``, or, once it was started ``max_continuations`` + 1 times (a prompt that
     kills every worker it reaches) or its payload is gone, end it with ``worker_lost``."""
-    script = redis.register_script(_HAND_OVER)
+    script = registered(redis, _HAND_OVER)
     keys = [
         leases_key(queue), queue, in_progress_key(job_id), job_key(job_id),
         terminal_key(job_id), retry_key(job_id),

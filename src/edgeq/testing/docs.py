@@ -185,7 +185,9 @@ def settings_groups() -> list[SettingsGroup]:
         SettingsGroup(
             "The gateway",
             GatewaySettings,
-            "`edgeq gateway` (`edgeq.gateway.settings.GatewaySettings`), besides the ones above",
+            "`edgeq gateway` (`edgeq.gateway.settings.GatewaySettings`), besides the ones above; "
+            "`edgeq batch` reads those of OpenAI's resources among them (model names, files, "
+            "batches: `edgeq.resources.settings.ResourceSettings`)",
             ConnectionSettings,
         ),
     ]
@@ -282,8 +284,12 @@ def settings_rows(
 ) -> list[tuple[str, str, str, str]]:
     """(variable, type, default, description) of each field the group's class adds."""
     inherited = set(group.base.model_fields) if group.base else set()
+    # The class's own fields first, then those of the classes between it and the base (the
+    # gateway's: where it listens, then the resources' settings it builds on).
+    own = set(group.cls.__annotations__)
+    fields = sorted(group.cls.model_fields.items(), key=lambda item: item[0] not in own)
     rows = []
-    for name, info in group.cls.model_fields.items():
+    for name, info in fields:
         if name in inherited:
             continue
         variable = f"{ENV_PREFIX}{name.upper()}"
@@ -310,7 +316,7 @@ def settings_reference(env_example: str, missing: list[str] | None = None) -> st
         "`.env`, `--env-file`, profiles) is on [Configuration](../configuration.md).",
         "",
         "A setting is read from the environment variable of its name, then from `.env` in the "
-        "working directory (or the file given with `--env-file`); \"(empty)\" means unset. "
+        'working directory (or the file given with `--env-file`); "(empty)" means unset. '
         "An invalid value stops the command at start-up with a message naming the variable. "
         'Where a description says "seed", it means the article edgeq grew from, "cutting '
         'Qwen3-0.6B latency with seven knobs" (the knobs are on '
@@ -331,7 +337,7 @@ def settings_reference(env_example: str, missing: list[str] | None = None) -> st
         "",
         "`EDGEQ_PROFILE` fills in these values for the settings that are not set otherwise "
         "(an `EDGEQ_*` variable, in the environment or in `.env`, wins over its profile). "
-        "\"-\": the profile leaves the setting alone.",
+        '"-": the profile leaves the setting alone.',
         "",
         "| Variable | " + " | ".join(f"`{name}`" for name in names) + " |",
         "|---|" + "---|" * len(names),

@@ -8,7 +8,7 @@
 -- limit, the job id, the wake channel, the band, the tenant. Returns {Enqueued, the tenant's
 -- cap when it is TENANT_FULL}.
 --
--- The lines of batches (gateway/batch_runner.py) are bounded on their own
+-- The lines of batches (resources/batches/runner.py) are bounded on their own
 -- (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; their runner enqueues them with no limit) and left out of
 -- the depth every other job is admitted against, so batches never get a chat refused.
 

@@ -49,18 +49,18 @@ from edgeq.core.keys import (
 )
 from edgeq.core.protocol import ChatResult, ErrorCode
 from edgeq.core.scripts import lua_script
-from edgeq.gateway.batch_store import (
+from edgeq.producer.client import ChatClient
+from edgeq.producer.queue import Enqueued
+from edgeq.resources.batches.store import (
     FINAL_STATUSES,
     OUTPUT_PURPOSE,
     BatchLine,
     BatchStore,
     line_request_id,
 )
-from edgeq.gateway.openai_api import completion_json, error_json
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.gateway.webhooks import queue_event
-from edgeq.producer.client import ChatClient
-from edgeq.producer.queue import Enqueued
+from edgeq.resources.openai_api import completion_json, error_json
+from edgeq.resources.settings import ResourceSettings
+from edgeq.resources.webhooks import queue_event
 
 log = structlog.get_logger("edgeq.batch")
 
@@ -381,7 +381,7 @@ class BatchRun:
 class BatchRunner:
     """Takes unfinished batches by lease and runs them (see the module doc)."""
 
-    def __init__(self, client: ChatClient, settings: GatewaySettings) -> None:
+    def __init__(self, client: ChatClient, settings: ResourceSettings) -> None:
         self.client = client
         self.settings = settings
         self.store = BatchStore(client.redis, settings)
@@ -491,7 +491,7 @@ class BatchRunner:
 
 
 @contextlib.asynccontextmanager
-async def running_batches(settings: GatewaySettings) -> AsyncIterator[BatchRunner | None]:
+async def running_batches(settings: ResourceSettings) -> AsyncIterator[BatchRunner | None]:
     """A BatchRunner in the background for as long as the block runs (the gateway's life),
     on a ChatClient of its own, so its lines never wait for the interactive requests' Redis
     connections; None when EDGEQ_GATEWAY_BATCH_RUNNER is off."""

@@ -9,7 +9,7 @@
 Files are Redis hashes that expire after EDGEQ_GATEWAY_FILE_RETENTION_S. A batch's input is
 validated line by line when it is created, all of it before anything runs: a bad line fails the
 batch with ``errors`` naming every bad line, and nothing is enqueued. A valid batch keeps each
-line's edgeq request in a list and waits for a runner (batch_runner.py) to feed it to the queue.
+line's edgeq request in a list and waits for a runner (runner.py) to feed it to the queue.
 Output and error lines are written once per ``custom_id`` (HSETNX), so a line a restarted runner
 runs again never appears twice. Files and batches belong to the tenant that made them: another
 tenant is told they do not exist.
@@ -43,15 +43,15 @@ from edgeq.core.keys import (
 )
 from edgeq.core.protocol import describe_validation_error, dump_json, job_payload
 from edgeq.core.scripts import lua_script
-from edgeq.gateway.openai_api import (
+from edgeq.producer.client import build_request
+from edgeq.resources.openai_api import (
     ChatCompletionRequest,
     UnsupportedField,
     encodable,
     unencodable_at,
 )
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.gateway.webhooks import queue_event
-from edgeq.producer.client import build_request
+from edgeq.resources.settings import ResourceSettings
+from edgeq.resources.webhooks import queue_event
 
 #: The one endpoint a batch line may name (the chat endpoint; every line runs as a chat job).
 ENDPOINT = "/v1/chat/completions"
@@ -220,7 +220,7 @@ def _problem(line: int, code: str, message: str, param: str | None = None) -> Ba
 
 
 def parse_line(
-    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: GatewaySettings
+    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
 ) -> BatchLine | BatchErrorItem:
     """One input line (numbered from 1) as a BatchLine, or what is wrong with it."""
     try:
@@ -286,7 +286,7 @@ def parse_line(
 
 
 def parse_batch_file(
-    content: bytes, *, tenant: str, models: list[str] | None, settings: GatewaySettings
+    content: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
 ) -> tuple[list[BatchLine], list[BatchErrorItem]]:
     """Every line of an input file, validated; blank lines are skipped (they count in the
     numbering, as an editor shows it). CPU-bound: run it in a thread."""
@@ -337,7 +337,7 @@ def _int(value: bytes | str | None) -> int | None:
 class BatchStore:
     """Files and batches of one queue's Redis (see the module doc)."""
 
-    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Redis, settings: ResourceSettings) -> None:
         self.redis = redis
         self.settings = settings
         self.queue = settings.queue
