@@ -28,6 +28,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ValidationError, field_validator
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from edgeq.core.errors import EdgeqError
 from edgeq.core.keys import (
@@ -219,10 +220,9 @@ def _problem(line: int, code: str, message: str, param: str | None = None) -> Ba
     return BatchErrorItem(code=code, message=f"line {line}: {message}", param=param, line=line)
 
 
-def parse_line(
-    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
-) -> BatchLine | BatchErrorItem:
-    """One input line (numbered from 1) as a BatchLine, or what is wrong with it."""
+def _envelope(number: int, raw: bytes) -> dict[str, Any] | BatchErrorItem:
+    """The line's JSON object, if its envelope is right: a custom_id, POST to the endpoint,
+    a body; else what is wrong with it."""
     try:
         item = json.loads(raw)
     except ValueError as error:
@@ -253,11 +253,20 @@ def parse_line(
             f"url: must be {ENDPOINT}, the batch's endpoint (got {item.get('url')!r})",
             "url",
         )
-    body = item.get("body")
-    if not isinstance(body, dict):
+    if not isinstance(item.get("body"), dict):
         return _problem(number, "invalid_request", "body: missing (a JSON object)", "body")
+    return item
+
+
+def parse_line(
+    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
+) -> BatchLine | BatchErrorItem:
+    """One input line (numbered from 1) as a BatchLine, or what is wrong with it."""
+    item = _envelope(number, raw)
+    if isinstance(item, BatchErrorItem):
+        return item
     try:
-        chat = ChatCompletionRequest.model_validate(body)
+        chat = ChatCompletionRequest.model_validate(item["body"])
         if chat.stream:
             raise UnsupportedField("stream: a batch line's answer is not streamed; leave it out")
         fields = chat.edgeq_fields()
@@ -282,7 +291,7 @@ def parse_line(
     payload, problem = job_payload(request, settings)
     if problem:
         return _problem(number, "invalid_request", f"body: {problem}", "body")
-    return BatchLine(custom_id=custom_id, model=chat.model, request=payload)
+    return BatchLine(custom_id=item["custom_id"], model=chat.model, request=payload)
 
 
 def parse_batch_file(
@@ -334,6 +343,25 @@ def _int(value: bytes | str | None) -> int | None:
     return None if value is None else int(float(value))
 
 
+def _check_endpoint(endpoint: str, completion_window: str) -> None:
+    """The only endpoint and completion window a batch may have (OpenAI's ``24h``)."""
+    if endpoint != ENDPOINT:
+        raise BatchApiError(
+            400,
+            f"endpoint: only {ENDPOINT} is supported (got {endpoint!r})",
+            code="invalid_endpoint",
+            param="endpoint",
+        )
+    if completion_window != COMPLETION_WINDOW:
+        raise BatchApiError(
+            400,
+            f"completion_window: only {COMPLETION_WINDOW!r} is "
+            f"supported (got {completion_window!r})",
+            code="invalid_completion_window",
+            param="completion_window",
+        )
+
+
 class BatchStore:
     """Files and batches of one queue's Redis (see the module doc)."""
 
@@ -367,33 +395,7 @@ class BatchStore:
         id the batch gives it, so finishing a batch twice writes one file)."""
         settings, owner = self.settings, self.tenant_of(tenant)
         if file_id is None:
-            if purpose != UPLOAD_PURPOSE:
-                raise BatchApiError(
-                    400,
-                    f"purpose: {purpose!r} is not supported here; upload "
-                    f"with purpose {UPLOAD_PURPOSE!r}",
-                    code="invalid_purpose",
-                    param="purpose",
-                )
-            if len(content) > settings.gateway_file_max_bytes:
-                raise BatchApiError(
-                    413,
-                    f"file: {len(content)} bytes, more than the "
-                    f"{settings.gateway_file_max_bytes} allowed "
-                    f"(EDGEQ_GATEWAY_FILE_MAX_BYTES)",
-                    code="file_too_large",
-                    param="file",
-                )
-            lines = count_lines(content)
-            if lines > settings.gateway_file_max_lines:
-                raise BatchApiError(
-                    400,
-                    f"file: {lines} lines, more than the "
-                    f"{settings.gateway_file_max_lines} allowed "
-                    f"(EDGEQ_GATEWAY_FILE_MAX_LINES)",
-                    code="too_many_lines",
-                    param="file",
-                )
+            self.check_upload(purpose, content)
             file_id = f"file-{uuid.uuid4().hex}"
             max_files = settings.gateway_files_per_tenant
             max_bytes = settings.gateway_bytes_per_tenant
@@ -432,6 +434,37 @@ class BatchStore:
         if outcome != 1:
             raise self.over_cap(owner, int(outcome), int(kept[0]), len(content))
         return record
+
+    def check_upload(self, purpose: str, content: bytes) -> None:
+        """An upload's purpose, size and line count, within EDGEQ_GATEWAY_FILE_MAX_*."""
+        settings = self.settings
+        if purpose != UPLOAD_PURPOSE:
+            raise BatchApiError(
+                400,
+                f"purpose: {purpose!r} is not supported here; upload "
+                f"with purpose {UPLOAD_PURPOSE!r}",
+                code="invalid_purpose",
+                param="purpose",
+            )
+        if len(content) > settings.gateway_file_max_bytes:
+            raise BatchApiError(
+                413,
+                f"file: {len(content)} bytes, more than the "
+                f"{settings.gateway_file_max_bytes} allowed "
+                f"(EDGEQ_GATEWAY_FILE_MAX_BYTES)",
+                code="file_too_large",
+                param="file",
+            )
+        lines = count_lines(content)
+        if lines > settings.gateway_file_max_lines:
+            raise BatchApiError(
+                400,
+                f"file: {lines} lines, more than the "
+                f"{settings.gateway_file_max_lines} allowed "
+                f"(EDGEQ_GATEWAY_FILE_MAX_LINES)",
+                code="too_many_lines",
+                param="file",
+            )
 
     def over_cap(self, owner: str, outcome: int, kept: int, adding: int) -> BatchApiError:
         """A cap's refusal (a store_file or start_batch script's answer), naming its setting."""
@@ -571,39 +604,9 @@ class BatchStore:
     ) -> BatchObject:
         """Validate every line of the input file, then either fail the batch (``errors``
         names each bad line; nothing runs) or leave it ``in_progress`` for a runner."""
-        if endpoint != ENDPOINT:
-            raise BatchApiError(
-                400,
-                f"endpoint: only {ENDPOINT} is supported (got {endpoint!r})",
-                code="invalid_endpoint",
-                param="endpoint",
-            )
-        if completion_window != COMPLETION_WINDOW:
-            raise BatchApiError(
-                400,
-                f"completion_window: only {COMPLETION_WINDOW!r} is "
-                f"supported (got {completion_window!r})",
-                code="invalid_completion_window",
-                param="completion_window",
-            )
+        _check_endpoint(endpoint, completion_window)
         owner = self.tenant_of(tenant)
-        try:
-            file = await self.get_file(owner, input_file_id)
-        except BatchApiError:
-            raise BatchApiError(
-                404,
-                f"input_file_id: no file with id {input_file_id!r}",
-                code="not_found",
-                param="input_file_id",
-            ) from None
-        if file.purpose != UPLOAD_PURPOSE:
-            raise BatchApiError(
-                400,
-                f"input_file_id: {input_file_id!r} has purpose "
-                f"{file.purpose!r}, not {UPLOAD_PURPOSE!r}",
-                code="invalid_purpose",
-                param="input_file_id",
-            )
+        await self._input_file(owner, input_file_id)
         usage = await self.usage(owner)  # a batch at the cap is refused before it is parsed
         if usage.active_batches >= self.settings.gateway_batches_per_tenant:
             raise self.over_cap(owner, CapReached.BATCHES, usage.active_batches, 0)
@@ -624,28 +627,57 @@ class BatchStore:
             "total": len(lines) if not problems else 0,
         }
         fields: dict[str, Any] = {"doc": dump_json(doc), "tenant": owner, "next_line": 0}
-        key = batch_key(self.queue, batch_id)
         if problems:
-            shown = problems[:MAX_ERRORS_LISTED]
-            if len(problems) > len(shown):
-                more = len(problems) - len(shown)
-                shown.append(
-                    BatchErrorItem(code="more_errors", message=f"and {more} more bad lines")
-                )
-            errors = BatchErrors(data=shown).model_dump_json()
-            fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping=fields)
-                pipe.pexpire(key, int(self.settings.gateway_file_retention_s * 1000))
-                queue_event(
-                    pipe, self.settings, event_type="batch.failed", object_id=batch_id,
-                    tenant=owner,
-                )  # fmt: skip
-                pipe.zadd(batches_key(self.queue, owner), {batch_id: int(now * 1000)})
-                await pipe.execute()
+            await self._fail_batch(owner, batch_id, fields, problems, now)
         else:
             await self.start_batch(owner, batch_id, fields, lines, int(now * 1000))
         return await self.get_batch(owner, batch_id)
+
+    async def _input_file(self, owner: str, input_file_id: str) -> FileObject:
+        """The batch's input file: the tenant's own, uploaded for a batch."""
+        try:
+            file = await self.get_file(owner, input_file_id)
+        except BatchApiError:
+            raise BatchApiError(
+                404,
+                f"input_file_id: no file with id {input_file_id!r}",
+                code="not_found",
+                param="input_file_id",
+            ) from None
+        if file.purpose != UPLOAD_PURPOSE:
+            raise BatchApiError(
+                400,
+                f"input_file_id: {input_file_id!r} has purpose "
+                f"{file.purpose!r}, not {UPLOAD_PURPOSE!r}",
+                code="invalid_purpose",
+                param="input_file_id",
+            )
+        return file
+
+    async def _fail_batch(
+        self,
+        owner: str,
+        batch_id: str,
+        fields: dict[str, Any],
+        problems: list[BatchErrorItem],
+        now: float,
+    ) -> None:
+        """Store a batch with bad lines as ``failed``, its errors naming the first of them."""
+        shown = problems[:MAX_ERRORS_LISTED]
+        if len(problems) > len(shown):
+            more = len(problems) - len(shown)
+            shown.append(BatchErrorItem(code="more_errors", message=f"and {more} more bad lines"))
+        errors = BatchErrors(data=shown).model_dump_json()
+        fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
+        key = batch_key(self.queue, batch_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.pexpire(key, int(self.settings.gateway_file_retention_s * 1000))
+            queue_event(
+                pipe, self.settings, event_type="batch.failed", object_id=batch_id, tenant=owner
+            )
+            pipe.zadd(batches_key(self.queue, owner), {batch_id: int(now * 1000)})
+            await pipe.execute()
 
     async def start_batch(
         self, owner: str, batch_id: str, fields: dict[str, Any], lines: list[BatchLine],
@@ -788,6 +820,21 @@ class BatchStore:
             return batches
 
         return await self._page(batches_key(self.queue, owner), "batch", load, after, limit, order)
+
+    async def update_batch(self, batch_id: str, fields: dict[str, str]) -> None:
+        """Set fields of the batch's record (its files' ids, its final counts)."""
+        await self.redis.hset(batch_key(self.queue, batch_id), mapping=fields)
+
+    def forget_batch_work(self, pipe: Pipeline, batch_id: str, tenant: str) -> None:
+        """Queue, on ``pipe``: the batch out of the active sets, its working keys deleted, its
+        record kept for the retention (EDGEQ_GATEWAY_FILE_RETENTION_S) only."""
+        pipe.srem(active_batches_key(self.queue), batch_id)
+        pipe.srem(tenant_active_batches_key(self.queue, tenant), batch_id)
+        pipe.delete(*(self.part(part, batch_id) for part in ("input", "out", "err", "inflight",
+                                                            "attempts")))  # fmt: skip
+        pipe.pexpire(
+            batch_key(self.queue, batch_id), int(self.settings.gateway_file_retention_s * 1000)
+        )
 
     async def set_status(
         self, batch_id: str, status: BatchStatus, *, since: tuple[str, ...]
