@@ -55,6 +55,7 @@ from edgeq.resources.batches.store import (
     FINAL_STATUSES,
     OUTPUT_PURPOSE,
     BatchLine,
+    BatchRecord,
     BatchStore,
     line_request_id,
 )
@@ -113,18 +114,18 @@ class BatchRun:
         self.stopping: str | None = None
 
     async def run(self) -> None:
-        fields = await self.store.raw_batch(self.batch_id)
-        if fields is None or fields["status"] in FINAL_STATUSES:  # a runner died finishing it
-            return await self.clean_up(fields)
-        doc = json.loads(fields["doc"])
-        self.tenant, self.total, self.expires_at = fields["tenant"], doc["total"], doc["expires_at"]
+        record = await self.store.record(self.batch_id)
+        if record is None or record.status in FINAL_STATUSES:  # a runner died finishing it
+            return await self.clean_up(record)
+        self.tenant, self.total, self.expires_at = record.tenant, record.total, record.expires_at
         self.log = self.log.bind(tenant=self.tenant)
-        next_line = int(fields.get("next_line", 0))
+        next_line = record.next_line
         tasks = await self.resume()
         self.log.info("batch_running", lines=self.total, next_line=next_line, resumed=len(tasks))
         try:
             while True:
-                status = (await self.store.raw_batch(self.batch_id) or {}).get("status")
+                now = await self.store.record(self.batch_id)
+                status = None if now is None else now.status
                 if status == "cancelling":
                     return await self.stop(tasks, "cancelled")
                 if status != "in_progress":
@@ -143,7 +144,7 @@ class BatchRun:
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    async def clean_up(self, fields: dict[str, str] | None) -> None:
+    async def clean_up(self, record: BatchRecord | None) -> None:
         """What a runner that died finishing the batch left: its working keys, its place in
         the active sets, and (in case it died before queuing it) its webhook event."""
         await self.runner.release_lines(self.batch_id)
@@ -151,10 +152,10 @@ class BatchRun:
         async with self.store.redis.pipeline(transaction=True) as pipe:
             pipe.srem(active_batches_key(self.store.queue), self.batch_id)
             pipe.delete(*(self.store.part(part, self.batch_id) for part in parts))
-            if fields is not None:
-                self.queue_ended_event(pipe, fields["status"], fields["tenant"])
+            if record is not None:
+                self.queue_ended_event(pipe, record.status, record.tenant)
                 pipe.srem(
-                    tenant_active_batches_key(self.store.queue, fields["tenant"]), self.batch_id
+                    tenant_active_batches_key(self.store.queue, record.tenant), self.batch_id
                 )
             await pipe.execute()
 
@@ -199,15 +200,9 @@ class BatchRun:
     async def run_line(self, line: int) -> None:
         """Run one line to its outcome and record it (once), then take it out of flight."""
         store, redis = self.store, self.store.redis
-        item = BatchLine.model_validate_json(
-            await redis.lindex(store.part("input", self.batch_id), line)
-        )
-        out_key, err_key = store.part("out", self.batch_id), store.part("err", self.batch_id)
-        if not (
-            await redis.hexists(out_key, item.custom_id)
-            or await redis.hexists(err_key, item.custom_id)
-        ):
-            attempt = int(await redis.hget(store.part("attempts", self.batch_id), line) or 0)
+        item = await store.line(self.batch_id, line)
+        if not await store.is_recorded(self.batch_id, item.custom_id):
+            attempt = await store.attempt(self.batch_id, line)
             while True:
                 job_id = line_job_id(store.queue, self.batch_id, line, attempt)
                 outcome = await self.job_outcome(job_id, item)
@@ -217,7 +212,7 @@ class BatchRun:
                     and attempt + 1 < MAX_ATTEMPTS
                     and self.stopping is None
                 ):
-                    attempt = await redis.hincrby(store.part("attempts", self.batch_id), line)
+                    attempt = await store.next_attempt(self.batch_id, line)
                     self.log.info("batch_line_again", line=line, code=outcome.code)
                     continue
                 break
@@ -268,7 +263,6 @@ class BatchRun:
     async def record(
         self, line: int, item: BatchLine, job_id: str, outcome: ChatResult | JobFailed
     ) -> None:
-        store = self.store
         request_id = line_request_id(self.batch_id, line)
         if isinstance(outcome, ChatResult):
             body = completion_json(outcome, model=item.model, created=int(time.time()))
@@ -278,7 +272,6 @@ class BatchRun:
                 "response": {"status_code": 200, "request_id": job_id, "body": body},
                 "error": None,
             }
-            key = store.part("out", self.batch_id)
         else:
             code = outcome.code
             if code == "cancelled" and self.stopping is not None:
@@ -300,9 +293,8 @@ class BatchRun:
                         type="invalid_request_error" if status < 500 else "server_error",
                     ),
                 }
-            key = store.part("err", self.batch_id)
-        # Written once per custom_id: a line run again by a runner taking over is not doubled.
-        await store.redis.hsetnx(key, item.custom_id, f"{line} {json.dumps(entry)}")
+        ok = isinstance(outcome, ChatResult)
+        await self.store.record_line(self.batch_id, line, item.custom_id, entry, ok=ok)
 
     async def stop(self, tasks: dict[int, asyncio.Task[None]], why: str) -> None:
         """Cancel or expiry: no line starts any more, running ones are stopped (each records
@@ -311,9 +303,7 @@ class BatchRun:
         self.log.info("batch_stopping", why=why, in_flight=len(tasks))
         reason = f"the batch was {why}"
         for line in tasks:
-            attempt = int(
-                await self.store.redis.hget(self.store.part("attempts", self.batch_id), line) or 0
-            )
+            attempt = await self.store.attempt(self.batch_id, line)
             await self.client.cancel(
                 line_job_id(self.store.queue, self.batch_id, line, attempt), reason
             )

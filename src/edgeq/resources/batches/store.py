@@ -204,6 +204,86 @@ class BatchObject(BaseModel):
         return encodable(metadata)
 
 
+#: The moments a batch's record stamps (Unix s), each when its status began.
+STAMPS = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+
+class BatchRecord(BaseModel):
+    """A batch as its hash keeps it: what was fixed when it was created (the JSON ``doc``
+    field), its owner, and what changes while it runs (status and its stamps, the line to
+    start next, the files and counts of a finished batch). Written by this module only."""
+
+    # The document fixed at creation.
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str] | None = None
+    total: int
+    # The hash's other fields.
+    tenant: str
+    status: str
+    next_line: int = 0
+    errors: BatchErrors | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    #: A finished batch's counts (its lines' hashes are gone then); None while it runs.
+    completed: int | None = None
+    failed: int | None = None
+    stamps: dict[str, int | None] = {}
+
+    @classmethod
+    def from_hash(cls, fields: dict[str, str]) -> BatchRecord:
+        doc = json.loads(fields["doc"])
+        return cls(
+            **doc,
+            tenant=fields["tenant"],
+            status=fields["status"],
+            next_line=int(fields.get("next_line", 0)),
+            errors=BatchErrors.model_validate_json(fields["errors"])
+            if "errors" in fields
+            else None,
+            output_file_id=fields.get("output_file_id"),
+            error_file_id=fields.get("error_file_id"),
+            completed=_int(fields.get("completed")),
+            failed=_int(fields.get("failed")),
+            stamps={stamp: _int(fields.get(stamp)) for stamp in STAMPS},
+        )
+
+    def shown(self, completed: int, failed: int) -> BatchObject:
+        """OpenAI's Batch object; ``completed`` and ``failed`` count the lines recorded so far
+        (a finished batch's own counts win)."""
+        return BatchObject(
+            id=self.id,
+            endpoint=self.endpoint,
+            input_file_id=self.input_file_id,
+            completion_window=self.completion_window,
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+            metadata=self.metadata,
+            status=self.status,  # type: ignore[arg-type]  # written by this module only
+            errors=self.errors,
+            output_file_id=self.output_file_id,
+            error_file_id=self.error_file_id,
+            request_counts=RequestCounts(
+                total=self.total,
+                completed=self.completed if self.completed is not None else completed,
+                failed=self.failed if self.failed is not None else failed,
+            ),
+            **self.stamps,
+        )
+
+
 class BatchLine(BaseModel):
     """One validated input line, as the runner needs it."""
 
@@ -755,47 +835,15 @@ class BatchStore:
         fields = {name.decode(): value.decode() for name, value in record.items()}
         if fields.get("tenant") != self.tenant_of(tenant):
             raise not_found("batch", batch_id)
-        return self.batch_object(fields, completed, failed)
+        return BatchRecord.from_hash(fields).shown(completed, failed)
 
-    async def raw_batch(self, batch_id: str) -> dict[str, str] | None:
-        """A batch's record fields, whoever owns it (the runner's view)."""
-        record = await self.redis.hgetall(batch_key(self.queue, batch_id))
-        return {name.decode(): value.decode() for name, value in record.items()} or None
-
-    @staticmethod
-    def batch_object(fields: dict[str, str], completed: int, failed: int) -> BatchObject:
-        doc = json.loads(fields["doc"])
-        stamps = (
-            "in_progress_at",
-            "finalizing_at",
-            "completed_at",
-            "failed_at",
-            "expired_at",
-            "cancelling_at",
-            "cancelled_at",
-        )
-        return BatchObject(
-            id=doc["id"],
-            endpoint=doc["endpoint"],
-            input_file_id=doc["input_file_id"],
-            completion_window=doc["completion_window"],
-            created_at=doc["created_at"],
-            expires_at=doc["expires_at"],
-            metadata=doc["metadata"],
-            status=fields["status"],  # type: ignore[arg-type]  # written by this module only
-            errors=BatchErrors.model_validate_json(fields["errors"])
-            if "errors" in fields
-            else None,
-            output_file_id=fields.get("output_file_id"),
-            error_file_id=fields.get("error_file_id"),
-            # A finished batch keeps its counts in its record (its lines' hashes are gone).
-            request_counts=RequestCounts(
-                total=doc["total"],
-                completed=int(fields.get("completed", completed)),
-                failed=int(fields.get("failed", failed)),
-            ),
-            **{stamp: _int(fields.get(stamp)) for stamp in stamps},
-        )
+    async def record(self, batch_id: str) -> BatchRecord | None:
+        """A batch's record, whoever owns it (the runner's view); None if it is gone."""
+        fields = await self.redis.hgetall(batch_key(self.queue, batch_id))
+        if not fields:
+            return None
+        return BatchRecord.from_hash({name.decode(): value.decode() for name, value in
+                                      fields.items()})  # fmt: skip
 
     async def list_batches(
         self,
@@ -820,6 +868,34 @@ class BatchStore:
             return batches
 
         return await self._page(batches_key(self.queue, owner), "batch", load, after, limit, order)
+
+    # --- a running batch's lines (the runner's) ----------------------------------------------
+
+    async def line(self, batch_id: str, line: int) -> BatchLine:
+        """The batch's validated line (numbered from 0)."""
+        raw = await self.redis.lindex(self.part("input", batch_id), line)
+        return BatchLine.model_validate_json(raw)
+
+    async def is_recorded(self, batch_id: str, custom_id: str) -> bool:
+        """Whether the line's outcome is in the output or the error file already."""
+        if await self.redis.hexists(self.part("out", batch_id), custom_id):
+            return True
+        return bool(await self.redis.hexists(self.part("err", batch_id), custom_id))
+
+    async def attempt(self, batch_id: str, line: int) -> int:
+        """How often the line was run again (0: its first job)."""
+        return int(await self.redis.hget(self.part("attempts", batch_id), line) or 0)
+
+    async def next_attempt(self, batch_id: str, line: int) -> int:
+        return int(await self.redis.hincrby(self.part("attempts", batch_id), line))
+
+    async def record_line(
+        self, batch_id: str, line: int, custom_id: str, entry: dict[str, Any], *, ok: bool
+    ) -> None:
+        """The line's output (``ok``) or error entry, written once per custom_id: a line run
+        again by a runner taking over is not doubled."""
+        key = self.part("out" if ok else "err", batch_id)
+        await self.redis.hsetnx(key, custom_id, f"{line} {json.dumps(entry)}")
 
     async def update_batch(self, batch_id: str, fields: dict[str, str]) -> None:
         """Set fields of the batch's record (its files' ids, its final counts)."""
