@@ -167,6 +167,7 @@ class SettingsGroup:
 
 def settings_groups() -> list[SettingsGroup]:
     from edgeq.gateway.settings import GatewaySettings
+    from edgeq.resources.settings import ResourceSettings
     from edgeq.worker.settings import WorkerSettings
 
     return [
@@ -183,12 +184,17 @@ def settings_groups() -> list[SettingsGroup]:
             ConnectionSettings,
         ),
         SettingsGroup(
+            "OpenAI's resources: model names, responses, webhooks, files and batches",
+            ResourceSettings,
+            "`edgeq gateway` and `edgeq batch` (`edgeq.resources.settings.ResourceSettings`), "
+            "besides the connection settings",
+            ConnectionSettings,
+        ),
+        SettingsGroup(
             "The gateway",
             GatewaySettings,
-            "`edgeq gateway` (`edgeq.gateway.settings.GatewaySettings`), besides the ones above; "
-            "`edgeq batch` reads those of OpenAI's resources among them (model names, files, "
-            "batches: `edgeq.resources.settings.ResourceSettings`)",
-            ConnectionSettings,
+            "`edgeq gateway` (`edgeq.gateway.settings.GatewaySettings`), besides the ones above",
+            ResourceSettings,
         ),
     ]
 
@@ -284,12 +290,8 @@ def settings_rows(
 ) -> list[tuple[str, str, str, str]]:
     """(variable, type, default, description) of each field the group's class adds."""
     inherited = set(group.base.model_fields) if group.base else set()
-    # The class's own fields first, then those of the classes between it and the base (the
-    # gateway's: where it listens, then the resources' settings it builds on).
-    own = set(group.cls.__annotations__)
-    fields = sorted(group.cls.model_fields.items(), key=lambda item: item[0] not in own)
     rows = []
-    for name, info in fields:
+    for name, info in group.cls.model_fields.items():
         if name in inherited:
             continue
         variable = f"{ENV_PREFIX}{name.upper()}"
