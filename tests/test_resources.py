@@ -13,6 +13,8 @@ from edgeq.producer.client import ChatClient
 from edgeq.resources.batches import runner as batch_runner
 from edgeq.resources.batches.runner import BatchRun, BatchRunner
 from edgeq.resources.batches.store import BatchRecord
+from edgeq.resources.openai_api import InvalidField
+from edgeq.resources.responses.request import CreateResponse
 from edgeq.resources.responses.store import StoredResponse
 from edgeq.resources.settings import ResourceSettings
 from edgeq.testing.processes import RedisServer
@@ -106,3 +108,29 @@ async def test_a_cancelled_batch_records_every_line_that_never_ran(
                   (await store.file_content("acme", ended.error_file_id)).splitlines()]  # fmt: skip
         assert [entry["custom_id"] for entry in errors] == [f"c{n}" for n in range(lines)]
         assert {entry["error"]["code"] for entry in errors} == {"batch_cancelled"}
+
+
+def test_a_response_body_becomes_a_chat_body_and_the_record_kept() -> None:
+    body = CreateResponse.model_validate(
+        {"model": "m", "input": "hi", "instructions": "be brief", "max_output_tokens": 16,
+         "text": {"format": {"type": "json_object"}}, "temperature": 1}
+    )  # fmt: skip
+    assert body.chat_fields() == {
+        "max_tokens": 16, "temperature": 1, "response_format": {"type": "json_object"},
+    }  # fmt: skip
+    record = body.stored("j1", "acme", [{"role": "user", "content": "before"}])
+    assert (record.job_id, record.tenant, record.text) == ("j1", "acme", body.text.model_dump(
+        by_alias=True, exclude_none=True))  # fmt: skip
+    assert record.messages == [
+        {"role": "user", "content": "before"}, {"role": "user", "content": "hi"},
+    ]  # fmt: skip
+    assert record.parallel_tool_calls is True and record.store is True
+
+
+def test_a_json_schema_format_without_a_schema_is_refused_naming_the_field() -> None:
+    body = CreateResponse.model_validate(
+        {"model": "m", "input": "hi", "text": {"format": {"type": "json_schema"}}}
+    )
+    with pytest.raises(InvalidField, match="needs a schema") as refused:
+        body.chat_fields()
+    assert (refused.value.param, refused.value.code) == ("text.format.schema", "invalid_request")
