@@ -26,8 +26,8 @@ import json
 from redis.asyncio import Redis
 
 from edgeq.core.settings import load_settings
-from edgeq.gateway.batch_store import BatchApiError, BatchStore
 from edgeq.gateway.settings import GatewaySettings
+from edgeq.resources.batches.store import BatchApiError, BatchStore
 from edgeq.testing.processes import RedisServer
 
 TENANT = "bench"

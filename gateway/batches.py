@@ -1,19 +1,19 @@
 """``/v1/batches``: OpenAI's Batches resource. A batch is validated when it is created (a bad
 line fails it, naming the line, and nothing runs) and then run by whichever gateway's
-BatchRunner takes it (batch_runner.py); a tenant sees only its own batches."""
+BatchRunner takes it (resources/batches/runner.py); a tenant sees only its own batches."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import ConfigDict
 
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.batch_store import BATCHES_LIMIT, COMPLETION_WINDOW, ENDPOINT
-from edgeq.gateway.files import _list, batch_api_errors, batch_store
-from edgeq.gateway.models import ModelNamesDep
-from edgeq.gateway.openai_api import Metadata, RequestBody
+from edgeq.gateway.errors import batch_api_errors
+from edgeq.gateway.state import BatchStoreDep, ModelNamesDep
+from edgeq.resources.batches.store import BATCHES_LIMIT, COMPLETION_WINDOW, ENDPOINT
+from edgeq.resources.openai_api import Metadata, RequestBody, list_json
 
 router = APIRouter()
 
@@ -29,10 +29,10 @@ class CreateBatch(RequestBody):
 
 @router.post("/v1/batches")
 async def create_batch(
-    request: Request, body: CreateBatch, tenant: TenantDep, models: ModelNamesDep
+    store: BatchStoreDep, body: CreateBatch, tenant: TenantDep, models: ModelNamesDep
 ) -> dict[str, Any]:
     with batch_api_errors():
-        batch = await (await batch_store(request)).create_batch(
+        batch = await store.create_batch(
             tenant,
             body.input_file_id,
             endpoint=body.endpoint,
@@ -45,31 +45,31 @@ async def create_batch(
 
 @router.get("/v1/batches")
 async def list_batches(
-    request: Request,
+    store: BatchStoreDep,
     tenant: TenantDep,
     after: str | None = None,
     limit: int = BATCHES_LIMIT.default,
     order: str = "desc",
 ) -> dict[str, Any]:
     with batch_api_errors():
-        batches, more = await (await batch_store(request)).list_batches(
+        batches, more = await store.list_batches(
             tenant,
             after=after,
             limit=limit,
             order=order,  # type: ignore[arg-type]
         )
-    return _list([batch.model_dump(mode="json") for batch in batches], more)
+    return list_json([batch.model_dump(mode="json") for batch in batches], more)
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(request: Request, tenant: TenantDep, batch_id: str) -> dict[str, Any]:
+async def get_batch(store: BatchStoreDep, tenant: TenantDep, batch_id: str) -> dict[str, Any]:
     with batch_api_errors():
-        batch = await (await batch_store(request)).get_batch(tenant, batch_id)
+        batch = await store.get_batch(tenant, batch_id)
     return batch.model_dump(mode="json")
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(request: Request, tenant: TenantDep, batch_id: str) -> dict[str, Any]:
+async def cancel_batch(store: BatchStoreDep, tenant: TenantDep, batch_id: str) -> dict[str, Any]:
     with batch_api_errors():
-        batch = await (await batch_store(request)).cancel_batch(tenant, batch_id)
+        batch = await store.cancel_batch(tenant, batch_id)
     return batch.model_dump(mode="json")

@@ -6,7 +6,8 @@
 A request waits for its job's first event before answering, so a job the worker refuses (a
 prompt too long, a queue deadline passed) still gets a proper HTTP status even when streaming.
 A client that goes away cancels its job: the engine stops generating for it. The job's tenant
-is the request's (auth.py); its priority class is the body's ``priority`` (openai_api.py).
+is the request's (auth.py); its priority class is the body's ``priority``
+(edgeq.resources.openai_api).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import structlog
 from fastapi import APIRouter, Request
@@ -24,7 +24,7 @@ from edgeq.core.errors import EdgeqError, JobFailed
 from edgeq.core.protocol import ChatResult, ErrorEvent, StreamEvent
 from edgeq.core.scheduling import DEFAULT_PRIORITY
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.errors import ApiError, client_error
+from edgeq.gateway.errors import client_error
 from edgeq.gateway.jobs import (
     CLIENT_CLOSED_REQUEST,
     JOB_ID_HEADER,
@@ -32,18 +32,17 @@ from edgeq.gateway.jobs import (
     ClientGone,
     cancel_job,
     ms_since,
+    submit_job,
     until_disconnected,
 )
-from edgeq.gateway.models import ModelNames, ModelNamesDep
-from edgeq.gateway.openai_api import (
+from edgeq.gateway.sse import stream_response
+from edgeq.gateway.state import ClientDep, ModelNamesDep, SettingsDep
+from edgeq.producer.client import ChatJob
+from edgeq.resources.openai_api import (
     ChatCompletionRequest,
-    UnsupportedField,
     completion_json,
     now_s,
 )
-from edgeq.gateway.sse import stream_response
-from edgeq.gateway.state import ClientDep, SettingsDep
-from edgeq.producer.client import ChatClient, ChatJob
 
 log = structlog.get_logger("edgeq.gateway")
 router = APIRouter()
@@ -59,7 +58,7 @@ async def chat_completions(
     settings: SettingsDep,
 ) -> Response:
     started = time.monotonic()
-    job, fields = await submit(client, models, body, tenant, settings.gateway_retry_after_s)
+    job, fields = await submit_job(client, models, body, tenant, settings.gateway_retry_after_s)
     bound = log.bind(
         job_id=job.job_id,
         stream=body.stream,
@@ -107,42 +106,6 @@ async def chat_completions(
         )
     bound.info("gateway_done", total_ms=ms_since(started))
     return JSONResponse(completion_json(result, model=body.model, created=now_s()), headers=headers)
-
-
-async def submit(
-    client: ChatClient,
-    models: ModelNames,
-    body: ChatCompletionRequest,
-    tenant: str | None,
-    retry_after_s: int,
-) -> tuple[ChatJob, dict[str, Any]]:
-    """Enqueue the body's job for ``tenant``: the job, and the edgeq fields it was sent with
-    (less its messages). A model not served here, a field edgeq cannot honour, or what
-    ChatClient refuses (a full queue: 429 with Retry-After) is raised as its ApiError."""
-    try:
-        names = await models.names()
-        if body.model not in names:
-            raise ApiError(
-                404,
-                f"the model {body.model!r} does not exist here; this gateway serves "
-                f"{', '.join(names)} (EDGEQ_MODEL, EDGEQ_GATEWAY_MODEL_ALIASES, adapters)",
-                type="not_found_error",
-                code="model_not_found",
-                param="model",
-            )
-        fields = body.edgeq_fields()
-        if tenant is not None:
-            fields["tenant"] = tenant
-        if body.model in await models.adapters():  # as vLLM's server: an adapter is a model
-            fields["adapter"] = body.model
-        job = await client.submit(fields.pop("messages"), **fields)
-    except UnsupportedField as error:
-        raise ApiError(
-            400, str(error), type="invalid_request_error", code=error.code, param=error.param
-        ) from None
-    except EdgeqError as error:
-        raise client_error(error, retry_after_s=retry_after_s) from None
-    return job, fields
 
 
 async def _rest_of_answer(job: ChatJob, events: AsyncIterator[StreamEvent]) -> ChatResult:

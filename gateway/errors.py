@@ -8,6 +8,8 @@ decided here, in one place: ``job_error`` and ``client_error`` map edgeq's error
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -24,7 +26,8 @@ from edgeq.core.errors import (
     RedisUnavailable,
 )
 from edgeq.core.protocol import ErrorCode
-from edgeq.gateway.openai_api import ErrorType, error_json, field_of
+from edgeq.resources.batches.store import BatchApiError
+from edgeq.resources.openai_api import ErrorType, error_json, field_of
 
 #: HTTP status for each way a job can end without an answer. OpenAI SDKs retry 429 and 5xx
 #: on their own, so only the codes that are safe to retry get a 5xx.
@@ -96,6 +99,26 @@ def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiE
     if isinstance(error, RedisUnavailable):
         return ApiError(503, str(error), type="service_unavailable", code="redis_unavailable")
     return ApiError(502, str(error), type="server_error", code="stream_broken")
+
+
+@contextmanager
+def batch_api_errors() -> Iterator[None]:
+    """What the Files/Batches API refuses (and Redis being away) as OpenAI's errors."""
+    try:
+        yield
+    except BatchApiError as error:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            error.status, "invalid_request_error"
+        )
+        raise ApiError(
+            error.status,
+            str(error),
+            type=kind,
+            code=error.code,  # type: ignore[arg-type]
+            param=error.param,
+        ) from None
+    except EdgeqError as error:
+        raise client_error(error) from None
 
 
 async def api_error(_: Request, error: ApiError) -> JSONResponse:

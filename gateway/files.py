@@ -1,11 +1,9 @@
 """``/v1/files``: OpenAI's Files resource, for batch input (purpose ``batch``) and the output
-files batches write (``batch_output``). Kept in Redis by batch_store.py; a tenant sees only its
-own files."""
+files batches write (``batch_output``). Kept in Redis by edgeq.resources.batches.store; a
+tenant sees only its own files."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,56 +11,19 @@ from fastapi.responses import Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
-from edgeq.core.errors import EdgeqError
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.batch_store import FILES_LIMIT, BatchApiError, BatchStore
-from edgeq.gateway.errors import ApiError, client_error
-from edgeq.gateway.state import SettingsDep
+from edgeq.gateway.errors import ApiError, batch_api_errors
+from edgeq.gateway.state import BatchStoreDep, SettingsDep
+from edgeq.resources.batches.store import FILES_LIMIT
+from edgeq.resources.openai_api import list_json
 
 router = APIRouter()
 
 
-@contextmanager
-def batch_api_errors() -> Iterator[None]:
-    """What the Files/Batches API refuses (and Redis being away) as OpenAI's errors."""
-    try:
-        yield
-    except BatchApiError as error:
-        kind = {401: "authentication_error", 404: "not_found_error"}.get(
-            error.status, "invalid_request_error"
-        )
-        raise ApiError(
-            error.status,
-            str(error),
-            type=kind,
-            code=error.code,  # type: ignore[arg-type]
-            param=error.param,
-        ) from None
-    except EdgeqError as error:
-        raise client_error(error) from None
-
-
-async def batch_store(request: Request) -> BatchStore:
-    """One BatchStore per app, on the pooled ChatClient's Redis (made at the first use)."""
-    store: BatchStore | None = getattr(request.app.state, "batch_store", None)
-    if store is None:
-        store = BatchStore(request.app.state.client.redis, request.app.state.settings)
-        request.app.state.batch_store = store
-    return store
-
-
-def _list(data: list[Any], has_more: bool = False) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
-
-
 @router.post("/v1/files")
-async def create_file(request: Request, tenant: TenantDep, settings: SettingsDep) -> dict[str, Any]:
+async def create_file(
+    request: Request, tenant: TenantDep, settings: SettingsDep, store: BatchStoreDep
+) -> dict[str, Any]:
     # Read here, not as FastAPI's File()/Form() parameters, so that one file part is all an
     # upload may carry: a second is refused before it is spooled. (The door, door.py, has
     # bounded the whole body already.)
@@ -96,7 +57,6 @@ async def create_file(request: Request, tenant: TenantDep, settings: SettingsDep
     finally:
         await form.close()  # the spooled file goes now, not at garbage collection
     with batch_api_errors():
-        store = await batch_store(request)
         created = await store.create_file(tenant, file.filename or "upload.jsonl", purpose, content)
     return created.model_dump(mode="json")
 
@@ -113,7 +73,7 @@ def _missing(param: str, what: str) -> ApiError:
 
 @router.get("/v1/files")
 async def list_files(
-    request: Request,
+    store: BatchStoreDep,
     tenant: TenantDep,
     purpose: str | None = None,
     after: str | None = None,
@@ -121,32 +81,32 @@ async def list_files(
     order: str = "desc",
 ) -> dict[str, Any]:
     with batch_api_errors():
-        files, more = await (await batch_store(request)).list_files(
+        files, more = await store.list_files(
             tenant,
             purpose,
             after=after,
             limit=limit,
             order=order,  # type: ignore[arg-type]
         )
-    return _list([file.model_dump(mode="json") for file in files], more)
+    return list_json([file.model_dump(mode="json") for file in files], more)
 
 
 @router.get("/v1/files/{file_id}")
-async def get_file(request: Request, tenant: TenantDep, file_id: str) -> dict[str, Any]:
+async def get_file(store: BatchStoreDep, tenant: TenantDep, file_id: str) -> dict[str, Any]:
     with batch_api_errors():
-        file = await (await batch_store(request)).get_file(tenant, file_id)
+        file = await store.get_file(tenant, file_id)
     return file.model_dump(mode="json")
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(request: Request, tenant: TenantDep, file_id: str) -> Response:
+async def file_content(store: BatchStoreDep, tenant: TenantDep, file_id: str) -> Response:
     with batch_api_errors():
-        content = await (await batch_store(request)).file_content(tenant, file_id)
+        content = await store.file_content(tenant, file_id)
     return Response(content, media_type="application/octet-stream")
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(request: Request, tenant: TenantDep, file_id: str) -> dict[str, Any]:
+async def delete_file(store: BatchStoreDep, tenant: TenantDep, file_id: str) -> dict[str, Any]:
     with batch_api_errors():
-        await (await batch_store(request)).delete_file(tenant, file_id)
+        await store.delete_file(tenant, file_id)
     return {"id": file_id, "object": "file", "deleted": True}

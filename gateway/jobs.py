@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import structlog
@@ -18,6 +18,11 @@ from fastapi import Request
 
 from edgeq.core.errors import EdgeqError
 from edgeq.core.tasks import cancel_and_wait
+from edgeq.gateway.errors import ApiError, client_error
+from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.resources.model_names import ModelNames
+from edgeq.resources.openai_api import ChatCompletionRequest, UnsupportedField
+from edgeq.resources.submit import ModelNotServed, submit
 
 #: The status nginx logs when the client went away; nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
@@ -29,6 +34,30 @@ SHUTDOWN_REASON = (
 
 log = structlog.get_logger("edgeq.gateway")
 T = TypeVar("T")
+
+
+async def submit_job(
+    client: ChatClient,
+    models: ModelNames,
+    body: ChatCompletionRequest,
+    tenant: str | None,
+    retry_after_s: int,
+) -> tuple[ChatJob, dict[str, Any]]:
+    """The body's job (resources/submit.py), or the ApiError its refusal is answered with: a
+    model not served here (404), a field edgeq cannot honour (400), what ChatClient refuses
+    (a full queue: 429 with Retry-After)."""
+    try:
+        return await submit(client, models, body, tenant)
+    except ModelNotServed as error:
+        raise ApiError(
+            404, str(error), type="not_found_error", code="model_not_found", param="model"
+        ) from None
+    except UnsupportedField as error:
+        raise ApiError(
+            400, str(error), type="invalid_request_error", code=error.code, param=error.param
+        ) from None
+    except EdgeqError as error:
+        raise client_error(error, retry_after_s=retry_after_s) from None
 
 
 class CancellableJob(Protocol):

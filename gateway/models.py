@@ -1,76 +1,19 @@
-"""``/v1/models`` (OpenAI's Models resource) and the model names the gateway accepts.
-
-The names are EDGEQ_MODEL, its aliases (EDGEQ_GATEWAY_MODEL_ALIASES), whatever the live
-workers serve (read from their heartbeats, briefly cached) and the LoRA adapters (registered
-for the queue or served by a live worker), as vLLM's own server lists them; a chat completion
-naming any other model is refused (chat.py), one naming an adapter answers with it. Not
-pydantic models: those are in openai_api.py.
-"""
+"""``/v1/models`` (OpenAI's Models resource): the model names the gateway accepts
+(edgeq.resources.model_names, which says where the names come from)."""
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
-from edgeq.core.adapters import registered
-from edgeq.core.connection import redis_errors
 from edgeq.core.errors import RedisUnavailable
-from edgeq.core.registry import live_workers
 from edgeq.gateway.auth import require_api_key
 from edgeq.gateway.errors import client_error
-from edgeq.gateway.openai_api import now_s
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.producer.client import ChatClient
-
-#: How long the list of models the live workers serve is reused before Redis is asked again.
-MODEL_NAMES_TTL_S = 2.0
+from edgeq.gateway.state import ModelNamesDep
+from edgeq.resources.openai_api import now_s
 
 router = APIRouter()
-
-
-class ModelNames:
-    """The model names the gateway accepts: EDGEQ_MODEL, its aliases, and what live workers
-    serve (read from their heartbeats, briefly cached)."""
-
-    def __init__(self, client: ChatClient, settings: GatewaySettings) -> None:
-        self._client = client
-        self._configured = [settings.model, *settings.gateway_model_aliases]
-        self._served: list[str] = []
-        self._adapters: list[str] = []
-        self._read_at = float("-inf")
-
-    async def names(self) -> list[str]:
-        """Every name accepted as ``model``: the base model's, then the adapters'."""
-        await self._refresh()
-        return list(dict.fromkeys([*self._configured, *self._served, *self._adapters]))
-
-    async def adapters(self) -> list[str]:
-        """The LoRA adapters' names: registered for the queue, or served by a live worker
-        from its own settings (core/adapters.py). A ``model`` naming one asks for it."""
-        await self._refresh()
-        return list(self._adapters)
-
-    async def _refresh(self) -> None:
-        if time.monotonic() - self._read_at > MODEL_NAMES_TTL_S:
-            settings = self._client.settings
-            with redis_errors(settings.redis_url):
-                workers = await live_workers(self._client.redis, settings.queue)
-                adapters = await registered(self._client.redis, settings.queue)
-            self._served = [worker.model for worker in workers]
-            served = (name for worker in workers for name in worker.adapters)
-            self._adapters = sorted({*adapters, *served})
-            self._read_at = time.monotonic()
-
-
-async def model_names(request: Request) -> ModelNames:
-    """The app's ModelNames (its lifespan makes one next to the ChatClient)."""
-    names: ModelNames = request.app.state.models
-    return names
-
-
-ModelNamesDep = Annotated[ModelNames, Depends(model_names)]
 
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])

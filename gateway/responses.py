@@ -6,8 +6,9 @@
     POST   /v1/responses/{id}/cancel     cancel its job
     DELETE /v1/responses/{id}            forget it (and cancel its job if it still runs)
 
-The gateway keeps no state: a stored response is its request in Redis (response_store.py) and
-its job's events; its stream is computed from them (response_events.py), so any gateway
+The gateway keeps no state: a stored response is its request in Redis and its job's events
+(edgeq.resources.responses.store); its stream is computed from them
+(edgeq.resources.responses.events), so any gateway
 process serves any response, and a stream resumes at the event after ``starting_after`` after
 the client, the gateway, a worker or Redis (with AOF) went away. A stored response belongs to
 the tenant that created it: another tenant gets 404, as for an id that does not exist.
@@ -15,38 +16,38 @@ the tenant that created it: another tenant gets 404, as for an id that does not 
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import anyio
 import structlog
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from edgeq.core.errors import EdgeqError
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, dump_json
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.chat import submit
 from edgeq.gateway.errors import ApiError, client_error, job_error
 from edgeq.gateway.jobs import (
     CLIENT_CLOSED_REQUEST,
     JOB_ID_HEADER,
     ClientGone,
     cancel_job,
+    submit_job,
     until_disconnected,
 )
-from edgeq.gateway.models import ModelNamesDep
-from edgeq.gateway.openai_api import (
-    ChatCompletionRequest,
-    Metadata,
-    RequestBody,
-    RequestPart,
-    field_error,
+from edgeq.gateway.state import (
+    ClientDep,
+    FollowerDep,
+    ModelNamesDep,
+    ResponseStoreDep,
+    SettingsDep,
 )
-from edgeq.gateway.response_events import (
+from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.resources.model_names import ModelNames
+from edgeq.resources.openai_api import ChatCompletionRequest, UnsupportedField
+from edgeq.resources.responses.events import (
     TERMINAL_STATUSES,
     ResponseEvents,
     ResponseState,
@@ -55,9 +56,9 @@ from edgeq.gateway.response_events import (
     job_id_of,
     response_json,
 )
-from edgeq.gateway.response_store import ResponseStore
-from edgeq.gateway.state import ClientDep, SettingsDep
-from edgeq.producer.client import ChatClient, ChatJob
+from edgeq.resources.responses.follower import ResponseFollower
+from edgeq.resources.responses.request import CreateResponse
+from edgeq.resources.responses.store import ResponseStore, StoredResponse
 
 log = structlog.get_logger("edgeq.gateway")
 router = APIRouter()
@@ -70,211 +71,7 @@ RENAMED_FIELDS = (
     ("max_tokens", "max_output_tokens"),
 )
 
-# --- the request -----------------------------------------------------------------------------
-
-
-class _Strict(RequestPart):
-    # A field edgeq does not know is refused with a 400 naming it, never silently dropped.
-    model_config = ConfigDict(extra="forbid")
-
-
-class InputText(_Strict):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-    annotations: list[Any] | None = None
-
-
-class InputMessage(_Strict):
-    type: Literal["message"] | None = None
-    id: str | None = None
-    status: str | None = None
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class FunctionCallInput(_Strict):
-    type: Literal["function_call"]
-    id: str | None = None
-    status: str | None = None
-    call_id: str
-    name: str
-    arguments: str
-
-
-class FunctionCallOutput(_Strict):
-    type: Literal["function_call_output"]
-    id: str | None = None
-    status: str | None = None
-    call_id: str
-    output: str
-
-
-InputItem = FunctionCallInput | FunctionCallOutput | InputMessage
-
-
-class FunctionTool(_Strict):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class FunctionChoice(_Strict):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(_Strict):
-    type: Literal["text", "json_schema", "json_object"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    description: str | None = None
-    strict: bool | None = None
-
-
-class TextConfig(_Strict):
-    format: TextFormat | None = None
-
-
-#: The input items and content parts edgeq reads; any other is refused by its name.
-INPUT_ITEM_TYPES = (None, "message", "function_call", "function_call_output")
-CONTENT_PART_TYPES = ("input_text", "output_text", "text")
-
-
-class CreateResponse(RequestBody):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    input: str | list[InputItem]
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool | None = None
-    stream: bool = False
-    background: bool = False
-    store: bool = True
-    metadata: Metadata | None = None
-    previous_response_id: str | None = None
-    user: str | None = None  # OpenAI's end-user tag: changes nothing in the answer
-    seed: int | None = None  # edgeq's (and vLLM's) extension, sent as the SDK's extra_body
-
-    @classmethod
-    def check_raw(cls, data: Any) -> Any:
-        """An input item or content part edgeq does not read (an image, a file, a reasoning
-        item) is refused by name, not with every way the input's union failed to match it."""
-        items = data.get("input") if isinstance(data, dict) else None
-        for index, item in enumerate(items if isinstance(items, list) else ()):
-            if not isinstance(item, dict):
-                continue
-            if item.get("type") not in INPUT_ITEM_TYPES:
-                raise field_error(
-                    f"input.{index}",
-                    f"input.{index}: {item.get('type')!r} items are not supported by edgeq "
-                    f"(messages, function_call and function_call_output items)",
-                    code="unsupported",
-                )
-            content = item.get("content")
-            for part_index, part in enumerate(content if isinstance(content, list) else ()):
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in CONTENT_PART_TYPES:
-                    where = f"input.{index}.content.{part_index}"
-                    raise field_error(
-                        where,
-                        f"{where}: {kind} is not supported by edgeq (text parts only: input_text)",
-                        code="unsupported",
-                    )
-        return data
-
-    def messages(self) -> list[dict[str, Any]]:
-        """The input as edgeq's chat messages (the instructions are not among them)."""
-        if isinstance(self.input, str):
-            return [{"role": "user", "content": self.input}]
-        messages: list[dict[str, Any]] = []
-        for item in self.input:
-            if isinstance(item, InputMessage):
-                role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": item.text()})
-            elif isinstance(item, FunctionCallOutput):
-                messages.append(
-                    {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
-                )
-            else:
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
-                else:
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        return messages
-
-    def chat_fields(self) -> dict[str, Any]:
-        """The sampling, format and tool fields in the chat endpoint's spelling."""
-        fields: dict[str, Any] = {
-            "max_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "parallel_tool_calls": self.parallel_tool_calls,
-        }
-        form = self.text.format if self.text is not None else None
-        if form is not None and form.type == "json_schema":
-            if form.schema_ is None:
-                raise ApiError(
-                    400,
-                    "text.format.schema: a json_schema format needs a schema",
-                    type="invalid_request_error",
-                    code="invalid_request",
-                    param="text.format.schema",
-                )
-            spec = {"name": form.name or "answer", "schema": form.schema_}
-            if form.strict is not None:
-                spec["strict"] = form.strict
-            if form.description is not None:
-                spec["description"] = form.description
-            fields["response_format"] = {"type": "json_schema", "json_schema": spec}
-        elif form is not None and form.type == "json_object":
-            fields["response_format"] = {"type": "json_object"}
-        if self.tools:
-            fields["tools"] = [
-                {
-                    "type": "function",
-                    "function": tool.model_dump(exclude={"type"}, exclude_none=True),
-                }
-                for tool in self.tools
-            ]
-        if isinstance(self.tool_choice, FunctionChoice):
-            fields["tool_choice"] = {
-                "type": "function",
-                "function": {"name": self.tool_choice.name},
-            }
-        elif self.tool_choice is not None:
-            fields["tool_choice"] = self.tool_choice
-        return {name: value for name, value in fields.items() if value is not None}
-
-
 # --- helpers ---------------------------------------------------------------------------------
-
-
-async def response_store(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses
-    return store
-
-
-StoreDep = Annotated[ResponseStore, Depends(response_store)]
 
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
@@ -295,11 +92,11 @@ async def load_owned(
     tenant: str,
     *,
     param: str | None = None,
-) -> tuple[dict[str, Any], list[DeltaEvent | DoneEvent | ErrorEvent] | None]:
+) -> tuple[StoredResponse, list[DeltaEvent | DoneEvent | ErrorEvent] | None]:
     """The stored response if ``tenant`` owns it; else the same error as for no response."""
     job_id = job_id_of(response_id)
     loaded = None if job_id is None else await store.load(job_id)
-    if loaded is None or loaded[0].get("tenant") != tenant:
+    if loaded is None or loaded[0].tenant != tenant:
         raise not_found(response_id, param)
     return loaded
 
@@ -309,9 +106,9 @@ def tenant_of(tenant: str | None, client: ChatClient) -> str:
 
 
 async def current_state(
-    store: ResponseStore, request: dict[str, Any], stored: list[Any] | None
+    store: ResponseStore, request: StoredResponse, stored: list[Any] | None
 ) -> ResponseState:
-    events = await store.events(request["job_id"], stored)
+    events = await store.events(request.job_id, stored)
     return final_state(request, events)
 
 
@@ -330,7 +127,8 @@ async def create_response(
     client: ClientDep,
     models: ModelNamesDep,
     settings: SettingsDep,
-    store: StoreDep,
+    store: ResponseStoreDep,
+    follower: FollowerDep,
 ) -> Response:
     owner = tenant_of(tenant, client)
     if body.background and not body.store:
@@ -344,61 +142,12 @@ async def create_response(
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         history = await _conversation_of(store, body.previous_response_id, owner)
-    messages = history + body.messages()
-    if body.instructions:
-        messages = [{"role": "system", "content": body.instructions}, *messages]
-    try:
-        chat_body = ChatCompletionRequest.model_validate(
-            {"model": body.model, "messages": messages, **body.chat_fields()}
-        )
-    except ValueError as error:
-        raise ApiError(
-            400, str(error), type="invalid_request_error", code="invalid_request"
-        ) from None
-    try:
-        job, _ = await submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
-    except ApiError as error:  # named as the chat request spells them: say it the Responses way
-        body = error.body["error"]
-        for chat_name, name in RENAMED_FIELDS:
-            body["message"] = body["message"].replace(chat_name, name)
-            if body["param"] is not None:
-                body["param"] = body["param"].replace(chat_name, name)
-        raise
-    record = {
-        "job_id": job.job_id,
-        "created_at": time.time(),
-        "tenant": owner,
-        "model": body.model,
-        "instructions": body.instructions,
-        "metadata": body.metadata,
-        "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "text": body.text.model_dump(by_alias=True, exclude_none=True) if body.text else None,
-        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
-        "tool_choice": (
-            body.tool_choice.model_dump()
-            if isinstance(body.tool_choice, FunctionChoice)
-            else body.tool_choice
-        ),
-        "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "store": body.store,
-        "background": body.background,
-        "previous_response_id": body.previous_response_id,
-        "messages": history + body.messages(),  # what a later previous_response_id continues
-    }
+    chat_body = _chat_body(body, history)
+    job = await _submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
+    record = body.stored(job.job_id, owner, history)
     bound = log.bind(job_id=job.job_id, stream=body.stream, background=body.background)
     if body.store:
-        try:
-            await store.save(job.job_id, record)
-        except Exception:  # the caller gets no id: the job must not run for nobody
-            await cancel_job(job, "the gateway could not store the response")
-            await job.aclose()
-            raise
-        try:
-            await request.app.state.response_follower.adopt(job.job_id)
-        except Exception as error:  # Redis away: the next scan of any gateway adopts it
-            bound.warning("response_adopt_failed", error=f"{type(error).__name__}: {error}")
+        await _store(job, record, store, follower, bound)
     headers = {JOB_ID_HEADER: job.job_id}
     if body.stream:
         bound.info("response_streaming")
@@ -412,20 +161,90 @@ async def create_response(
         bound.info("response_background")
         state = ResponseState(status="queued")
         return JSONResponse(response_json(record, state), headers=headers)
+    state = await _answer(request, job, record)
+    if state is None:  # the client left: its job is cancelled
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    bound.info("response_done", status=state.status)
+    return JSONResponse(response_json(record, state), headers=headers)
+
+
+def _chat_body(body: CreateResponse, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion a response asks for: its instructions, the conversation it
+    continues and its input."""
+    messages = history + body.messages()
+    if body.instructions:
+        messages = [{"role": "system", "content": body.instructions}, *messages]
+    try:
+        fields = body.chat_fields()
+    except UnsupportedField as error:  # a field the chat request has no place for
+        raise ApiError(
+            400, str(error), type="invalid_request_error", code=error.code, param=error.param
+        ) from None
+    try:
+        return ChatCompletionRequest.model_validate(
+            {"model": body.model, "messages": messages, **fields}
+        )
+    except ValueError as error:
+        raise ApiError(
+            400, str(error), type="invalid_request_error", code="invalid_request"
+        ) from None
+
+
+async def _submit(
+    client: ChatClient,
+    models: ModelNames,
+    chat_body: ChatCompletionRequest,
+    tenant: str | None,
+    retry_after_s: int,
+) -> ChatJob:
+    try:
+        job, _ = await submit_job(client, models, chat_body, tenant, retry_after_s)
+    except ApiError as error:  # named as the chat request spells them: say it the Responses way
+        fields = error.body["error"]
+        for chat_name, name in RENAMED_FIELDS:
+            fields["message"] = fields["message"].replace(chat_name, name)
+            if fields["param"] is not None:
+                fields["param"] = fields["param"].replace(chat_name, name)
+        raise
+    return job
+
+
+async def _store(
+    job: ChatJob,
+    record: StoredResponse,
+    store: ResponseStore,
+    follower: ResponseFollower,
+    bound: structlog.typing.FilteringBoundLogger,
+) -> None:
+    """Store the response and follow it from this process (any other may take it over)."""
+    try:
+        await store.save(record)
+    except Exception:  # the caller gets no id: the job must not run for nobody
+        await cancel_job(job, "the gateway could not store the response")
+        await job.aclose()
+        raise
+    try:
+        await follower.adopt(job.job_id)
+    except Exception as error:  # Redis away: the next scan of any gateway adopts it
+        bound.warning("response_adopt_failed", error=f"{type(error).__name__}: {error}")
+
+
+async def _answer(request: Request, job: ChatJob, record: StoredResponse) -> ResponseState | None:
+    """The ended response's state, read from its job's stream while the client waits; None
+    if the client left first (the job is cancelled then)."""
     mapper = ResponseEvents(record)
     try:
         await until_disconnected(request, _follow(job, mapper))
     except ClientGone:
         await cancel_job(job, "the HTTP client disconnected")
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return None
     except EdgeqError as error:
         await cancel_job(job, f"the gateway lost the job's stream: {error}")
         raise client_error(error) from None
     error = mapper.state.error
     if error is not None and not mapper.state.text and error.code != "cancelled":
         raise job_error(error.code, error.message)  # refused: a status, as the chat path
-    bound.info("response_done", status=mapper.state.status)
-    return JSONResponse(response_json(record, mapper.state), headers=headers)
+    return mapper.state
 
 
 async def _follow(job: ChatJob, mapper: ResponseEvents) -> None:
@@ -450,12 +269,12 @@ async def _conversation_of(
     answer: dict[str, Any] = {"role": "assistant", "content": state.output_text}
     if state.done is not None and state.done.tool_calls:
         answer["tool_calls"] = [call.model_dump(mode="json") for call in state.done.tool_calls]
-    return [*request["messages"], answer]
+    return [*request.messages, answer]
 
 
 async def _live(
     job: ChatJob | None,
-    record: dict[str, Any],
+    record: StoredResponse,
     *,
     starting_after: int,
     cancel_on_leave: bool,
@@ -502,12 +321,12 @@ async def retrieve_response(
     response_id: str,
     tenant: TenantDep,
     client: ClientDep,
-    store: StoreDep,
+    store: ResponseStoreDep,
     stream: bool = False,
     starting_after: Annotated[int, Query(ge=-1)] = -1,
 ) -> Response:
     record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
-    job_id = record["job_id"]
+    job_id = record.job_id
     if not stream:
         state = await current_state(store, record, stored)
         return JSONResponse(response_json(record, state), headers={JOB_ID_HEADER: job_id})
@@ -526,14 +345,12 @@ async def retrieve_response(
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(
-    response_id: str, tenant: TenantDep, client: ClientDep, store: StoreDep
+    response_id: str, tenant: TenantDep, client: ClientDep, store: ResponseStoreDep
 ) -> Response:
     record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
     if stored is None:
         try:
-            await client.cancel(
-                record["job_id"], f"cancelled via /v1/responses/{response_id}/cancel"
-            )
+            await client.cancel(record.job_id, f"cancelled via /v1/responses/{response_id}/cancel")
         except EdgeqError as error:
             raise client_error(error) from None
     state = await current_state(store, record, stored)
@@ -542,13 +359,13 @@ async def cancel_response(
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(
-    response_id: str, tenant: TenantDep, client: ClientDep, store: StoreDep
+    response_id: str, tenant: TenantDep, client: ClientDep, store: ResponseStoreDep
 ) -> Response:
     record, stored = await load_owned(store, response_id, tenant_of(tenant, client))
     if stored is None:  # nobody can read it any more: stop generating it
         try:
-            await client.cancel(record["job_id"], "its response was deleted")
+            await client.cancel(record.job_id, "its response was deleted")
         except EdgeqError as error:
             raise client_error(error) from None
-    await store.delete(record["job_id"])
+    await store.delete(record.job_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})

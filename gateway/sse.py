@@ -18,7 +18,7 @@ from edgeq.core.errors import EdgeqError
 from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent, dump_json
 from edgeq.gateway.errors import client_error, job_error
 from edgeq.gateway.jobs import SHUTDOWN_REASON, CancellableJob, cancel_job, ms_since
-from edgeq.gateway.openai_api import (
+from edgeq.resources.openai_api import (
     chunk_json,
     logprobs_json,
     now_s,

@@ -21,8 +21,8 @@ from openai.types.chat import ChatCompletion
 from redis import Redis as SyncRedis
 
 from edgeq.core.keys import events_key, leases_key
-from edgeq.gateway.batch_runner import line_job_id
 from edgeq.producer.client import ChatClient
+from edgeq.resources.batches.runner import line_job_id
 from edgeq.testing.engine_hold import EngineHold
 from edgeq.testing.processes import GatewayProcess, WorkerProcess, stop_process
 from helpers import EDGEQ, slowed

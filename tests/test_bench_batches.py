@@ -10,8 +10,8 @@ from pathlib import Path
 from edgeq.bench.batches import batch_file, output_figures
 from edgeq.bench.workload import PromptMeter, load_tokenizer
 from edgeq.core.protocol import ChatMessage
-from edgeq.gateway.batch_store import BatchLine, parse_line
 from edgeq.gateway.settings import GatewaySettings
+from edgeq.resources.batches.store import BatchLine, parse_line
 
 
 def test_every_bench_line_is_accepted_by_the_gateway_with_the_seeds_prompt_lengths(

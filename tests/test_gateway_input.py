@@ -23,9 +23,10 @@ from redis.asyncio import Redis
 from edgeq.core.keys import batches_key, files_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.core.structured import FunctionCall, ToolCall
-from edgeq.gateway.batch_store import BatchStore
-from edgeq.gateway.response_events import ResponseEvents, error_event
 from edgeq.gateway.settings import GatewaySettings
+from edgeq.resources.batches.store import BatchStore
+from edgeq.resources.responses.events import ResponseEvents, error_event
+from edgeq.resources.responses.store import StoredResponse
 from edgeq.testing.processes import GatewayProcess, RedisServer
 
 QUEUE = "edgeq:input-unserved"
@@ -74,9 +75,10 @@ SDK_EVENT_CLASS = {
 }
 
 
-def _request() -> dict[str, Any]:
-    return {"job_id": "j1", "created_at": time.time(), "model": MODEL, "background": False,
-            "store": True}  # fmt: skip
+def _request() -> StoredResponse:
+    return StoredResponse(
+        job_id="j1", created_at=time.time(), model=MODEL, background=False, store=True
+    )
 
 
 def _done(**fields: Any) -> DoneEvent:

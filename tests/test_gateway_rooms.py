@@ -47,6 +47,7 @@ from edgeq.gateway.errors import ApiError, client_error, install_error_handlers
 from edgeq.gateway.jobs import JOB_ID_HEADER, SHUTDOWN_REASON
 from edgeq.gateway.settings import GatewaySettings
 from edgeq.gateway.sse import sse_chunks
+from edgeq.gateway.state import GatewayState, set_settings, set_state
 
 pytestmark = pytest.mark.usefixtures("clean_edgeq_env")
 
@@ -64,9 +65,9 @@ def app_with(
 ) -> FastAPI:
     """An app holding only ``routers``, the error handlers and the state they read."""
     app = FastAPI()
-    app.state.settings = gateway_settings
-    app.state.client = client
-    app.state.models = names
+    set_settings(app, gateway_settings)
+    # Only what the routers under test read; the rest is never asked for.
+    set_state(app, GatewayState(client, names, None, None, None))  # type: ignore[arg-type]
     install_error_handlers(app)
     for router in routers:
         app.include_router(router)

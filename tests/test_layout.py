@@ -3,7 +3,11 @@
 Data flows one way (producer -> Redis -> worker -> Redis -> subscriber) through a shared core:
 ``edgeq.core`` imports neither side, the worker never imports the producer, the producer (what
 a backend service installs) never imports the worker, vLLM or torch, and no two modules of the
-core import each other, even for a type hint. The ``edgeq`` command is a registry: the command
+core import each other, even for a type hint. OpenAI's resources (``edgeq.resources``, the
+wing) hold no HTTP: they never import FastAPI, Starlette or the gateway, and the gateway is
+HTTP only (each of its modules imports FastAPI or Starlette, but its settings, its state and
+its command) and never imports the bench or the test launchers. No function of the gateway or
+the wing is longer than 60 lines. The ``edgeq`` command is a registry: the command
 modules never import the registry back, and a client's command loads nothing of the worker.
 vLLM's general plugin, which vLLM loads in every vLLM process of the environment, acts only in
 edgeq's own engine processes.
@@ -37,14 +41,32 @@ _FOLDERS = PYPROJECT["tool"]["setuptools"]["package-dir"]
 PARTS = {
     "edgeq.core": REPO / "src" / "edgeq" / "core",
     "edgeq.testing": REPO / "src" / "edgeq" / "testing",
+    "edgeq.resources": REPO / "src" / "edgeq" / "resources",
     **{name: REPO / folder for name, folder in _FOLDERS.items() if name.count(".") == 1},
 }
+#: The HTTP framework: FastAPI, the Starlette it is built on, and its server-sent events.
+HTTP = ("fastapi", "starlette", "sse_starlette", "uvicorn")
 FORBIDDEN = {
-    "edgeq.core": ("edgeq.producer", "edgeq.worker", "edgeq.gateway", "edgeq.bench", "vllm"),
-    "edgeq.worker": ("edgeq.producer", "edgeq.gateway", "edgeq.bench", "edgeq.testing"),
-    "edgeq.producer": ("edgeq.worker", "edgeq.gateway", "edgeq.bench", "vllm", "torch"),
-    "edgeq.gateway": ("edgeq.worker", "vllm", "torch"),
-}
+    "edgeq.core": (
+        "edgeq.producer", "edgeq.worker", "edgeq.resources", "edgeq.gateway", "edgeq.bench",
+        "vllm",
+    ),
+    "edgeq.worker": (
+        "edgeq.producer", "edgeq.resources", "edgeq.gateway", "edgeq.bench", "edgeq.testing",
+    ),
+    "edgeq.producer": (
+        "edgeq.worker", "edgeq.resources", "edgeq.gateway", "edgeq.bench", "vllm", "torch",
+    ),
+    "edgeq.resources": (
+        *HTTP, "edgeq.gateway", "edgeq.worker", "edgeq.bench", "edgeq.testing", "vllm", "torch",
+    ),
+    "edgeq.gateway": ("edgeq.worker", "edgeq.bench", "edgeq.testing", "vllm", "torch"),
+}  # fmt: skip
+#: The gateway's modules that need no HTTP framework: what its settings and state are, and its
+#: ``edgeq gateway`` command (which imports the server only when it runs).
+GATEWAY_WITHOUT_HTTP = {"__init__.py", "settings.py", "commands.py"}
+#: The longest a function of the gateway or the wing may be, in lines (decorators included).
+LONGEST_FUNCTION = 60
 
 
 def imports_of(path: Path) -> set[str]:
@@ -99,6 +121,48 @@ def circles(graph: Mapping[str, Set[str]]) -> list[list[str]]:
     return sorted(list(group) for group in groups)
 
 
+def test_the_gateway_is_http_only() -> None:
+    """Each module of the gateway imports FastAPI or Starlette; what needs neither belongs in
+    the resources wing (or the core)."""
+    without = {
+        path.name
+        for path in PARTS["edgeq.gateway"].glob("*.py")
+        if not any(name.split(".")[0] in HTTP for name in imports_of(path))
+    }
+    assert "state.py" not in without  # the test reads the right folder: state is FastAPI's
+    assert without <= GATEWAY_WITHOUT_HTTP, sorted(without - GATEWAY_WITHOUT_HTTP)
+
+
+def functions_longer_than(limit: int, *paths: Path) -> list[str]:
+    """``file:name (lines)`` of each function (method, nested function) in ``paths`` that is
+    longer than ``limit`` lines, counting its decorators and docstring."""
+    long = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                length = (node.end_lineno or node.lineno) - first + 1
+                if length > limit:
+                    long.append(f"{path.name}:{node.name} ({length})")
+    return long
+
+
+def test_functions_longer_than_finds_the_long_ones(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "@staticmethod\ndef f():\n    x = 0\n    x = 1\n    x = 2\n\n"
+        "class C:\n    def g(self):\n        x = 0\n        x = 1\n        x = 2\n"
+    )
+    assert functions_longer_than(4, path) == ["m.py:f (5)"]
+    assert functions_longer_than(3, path) == ["m.py:f (5)", "m.py:g (4)"]
+
+
+def test_no_function_of_the_gateway_or_the_wing_is_long() -> None:
+    paths = [*PARTS["edgeq.gateway"].rglob("*.py"), *PARTS["edgeq.resources"].rglob("*.py")]
+    assert len(paths) > 20  # the test reads the right folders
+    assert not functions_longer_than(LONGEST_FUNCTION, *paths)
+
+
 def test_circles_finds_every_circle_and_nothing_else() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"a"}, "b": set()}) == [["a"]]
@@ -121,8 +185,9 @@ def test_no_two_core_modules_import_each_other() -> None:
 
 def test_the_command_modules_never_import_the_registry() -> None:
     for module in COMMAND_MODULES:
-        part, _, name = module.rpartition(".")
-        path = PARTS[part] / f"{name}.py"
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin is not None, module
+        path = Path(spec.origin)
         assert "edgeq.cli" not in imports_of(path), f"{path} imports edgeq.cli: a circle"
 
 

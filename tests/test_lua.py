@@ -13,8 +13,9 @@ from edgeq.core import events, leases
 from edgeq.core.batching import combined
 from edgeq.core.scheduling import BAND_SPAN
 from edgeq.core.scripts import lua_file, lua_script, shipped_lua_files
-from edgeq.gateway import batch_runner, batch_store
 from edgeq.producer import queue
+from edgeq.resources.batches import runner as batch_runner
+from edgeq.resources.batches import store as batch_store
 from edgeq.worker import claim
 
 REPO = Path(__file__).resolve().parents[1]

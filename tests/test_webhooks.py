@@ -18,12 +18,14 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
+from edgeq.core.keys import webhooks_due_key as due_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.core.structured import FunctionCall, ToolCall
 from edgeq.core.tasks import cancel_and_wait
-from edgeq.gateway.response_events import ResponseEvents, final_state, response_json
 from edgeq.gateway.settings import GatewaySettings
-from edgeq.gateway.webhooks import WebhookSender, due_key, enqueue_event, sign
+from edgeq.resources.responses.events import ResponseEvents, final_state, response_json
+from edgeq.resources.responses.store import StoredResponse
+from edgeq.resources.webhooks import WebhookSender, enqueue_event, sign
 from edgeq.testing.processes import RedisServer
 from helpers import WebhookReceiver
 
@@ -156,7 +158,7 @@ async def test_a_hanging_endpoint_holds_up_no_other_and_a_tenants_endpoint_gets_
 
 # --- the Responses stream as a function of the job's events ---------------------------------
 
-REQUEST = {"job_id": "j1", "created_at": 1000.0, "model": "m", "background": True, "store": True}
+REQUEST = StoredResponse(job_id="j1", created_at=1000.0, model="m", background=True, store=True)
 
 
 def job_events(with_calls: bool = False) -> list[DeltaEvent | DoneEvent | ErrorEvent]:

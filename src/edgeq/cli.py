@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.adapter_commands": ("adapters",),
     "edgeq.producer.dead_letter_commands": ("dead-letter",),
     "edgeq.gateway.commands": ("gateway",),
-    "edgeq.gateway.batch_commands": ("batch",),
+    "edgeq.resources.batches.commands": ("batch",),
     "edgeq.worker.commands": ("worker",),
     "edgeq.testing.commands": ("make-tiny-model", "chaos"),
     "edgeq.deploy.commands": ("bundle",),

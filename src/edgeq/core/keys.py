@@ -37,7 +37,7 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
 - ``{queue}:idempotency:<tenant>:<key>``: the job id a submit's idempotency key was given,
   and a hash of its request, for EDGEQ_IDEMPOTENCY_TTL_S (lua/enqueue.lua).
 
-OpenAI's Files and Batches (gateway/batch_store.py), per queue:
+OpenAI's Files and Batches (resources/batches/store.py), per queue:
 
 - ``{queue}:file:<file_id>``: hash, a file's record and content (expires after the retention);
   ``{queue}:files:<tenant>``: sorted set, the tenant's file ids by creation time;
@@ -53,6 +53,16 @@ OpenAI's Files and Batches (gateway/batch_store.py), per queue:
   batches not finished yet (its EDGEQ_GATEWAY_BATCHES_PER_TENANT); ``{queue}:batch-lines``:
   set, ``<batch_id>:<line>`` of every batch line queued or running, of all batches together
   (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; a chat's admission leaves them out of the queue's depth).
+
+OpenAI's Responses and their webhooks (resources/responses/, resources/webhooks.py):
+
+- ``edgeq:response:{<id>}``: hash, a stored response's ``request`` (JSON) and, once its job
+  ended, its ``events`` (JSON list); ``edgeq:response-follow:{<id>}``: the lease of the one
+  gateway process following it; ``{queue}:responses:open``: set, the job ids of stored
+  responses not yet ended;
+- ``{queue}:webhooks:due``: sorted set, delivery -> when its next attempt is due (Unix s);
+  ``{queue}:webhooks:deliveries``: hash, delivery -> its record (endpoint, body, attempts);
+  ``{queue}:webhooks:lock:<delivery>``: held by the process attempting it, with a short TTL.
 """
 
 from __future__ import annotations
@@ -255,3 +265,33 @@ def batch_part_key(queue: str, part: str, batch_id: str) -> str:
     """One of a batch's working keys: ``input``, ``inflight``, ``out``, ``err``, ``attempts``
     or ``lease``."""
     return f"{queue}:batch-{part}:{batch_id}"
+
+
+def response_key(job_id: str) -> str:
+    """A stored response's hash: its ``request`` and, once ended, its job's ``events``."""
+    return f"edgeq:response:{{{job_id}}}"
+
+
+def response_follow_key(job_id: str) -> str:
+    """The lease of the gateway process following a stored response."""
+    return f"edgeq:response-follow:{{{job_id}}}"
+
+
+def open_responses_key(queue: str) -> str:
+    """A set per queue: the job ids of stored responses not ended yet."""
+    return f"{queue}:responses:open"
+
+
+def webhooks_due_key(queue: str) -> str:
+    """A sorted set per queue: webhook delivery -> when its next attempt is due (Unix s)."""
+    return f"{queue}:webhooks:due"
+
+
+def webhook_deliveries_key(queue: str) -> str:
+    """A hash per queue: webhook delivery -> its record (JSON)."""
+    return f"{queue}:webhooks:deliveries"
+
+
+def webhook_lock_key(queue: str, delivery: str) -> str:
+    """Held (with a short TTL) by the process attempting one webhook delivery."""
+    return f"{queue}:webhooks:lock:{delivery}"

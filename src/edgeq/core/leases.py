@@ -37,7 +37,7 @@ from edgeq.core.keys import (
     wake_channel,
 )
 from edgeq.core.protocol import ErrorCode, ErrorEvent
-from edgeq.core.scripts import lua_script
+from edgeq.core.scripts import lua_script, registered
 
 # The lease scripts (Redis's clock, not the worker's, decides every lease: lua/clock.lua).
 _RENEW = lua_script("clock", "renew_leases")
@@ -67,7 +67,7 @@ async def redis_now_ms(redis: Redis) -> int:
 async def renew_leases(redis: Redis, queue: str, job_ids: list[str], *, ttl_s: float) -> None:
     """A worker's promise that these jobs are alive for ``ttl_s`` from now (on Redis's clock)."""
     if job_ids:
-        renew = redis.register_script(_RENEW)
+        renew = registered(redis, _RENEW)
         await renew(keys=[leases_key(queue)], args=[int(ttl_s * 1000), *job_ids])
 
 
@@ -177,7 +177,7 @@ async def hand_over(
     kills every worker it reaches) or its payload is gone, end it with ``worker_lost``; or,
     once it was running at ``POISON_AFTER_ENGINE_FAILURES`` engine failures, keep its payload
     in the dead-letter set for ``dead_letter_ttl_s`` and end it with ``poison_job``."""
-    script = redis.register_script(_HAND_OVER)
+    script = registered(redis, _HAND_OVER)
     keys = [
         leases_key(queue), queue, in_progress_key(job_id), job_key(job_id),
         terminal_key(job_id), retry_key(job_id), engine_failures_key(job_id),

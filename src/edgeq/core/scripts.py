@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from functools import cache
 from importlib.resources import files
+from typing import Any
+from weakref import WeakKeyDictionary
 
 #: Where the scripts are, inside the ``edgeq.core`` package.
 LUA_FOLDER = "lua"
@@ -25,6 +27,20 @@ def lua_file(name: str) -> str:
 def lua_script(*names: str) -> str:
     """The script made of these files, in this order (shared functions first)."""
     return "\n".join(lua_file(name) for name in names)
+
+
+#: Each Redis client's registered scripts, by text: registering hashes the text (SHA1) and
+#: makes an object, so a script run on every claim or hand-over is registered once per client.
+_REGISTERED: WeakKeyDictionary[Any, dict[str, Any]] = WeakKeyDictionary()
+
+
+def registered(redis: Any, script: str) -> Any:
+    """``script`` registered on ``redis`` (a Redis client: plain, Sentinel's or a cluster's),
+    once per client; call it like ``redis.register_script``'s answer."""
+    scripts = _REGISTERED.setdefault(redis, {})
+    if script not in scripts:
+        scripts[script] = redis.register_script(script)
+    return scripts[script]
 
 
 def shipped_lua_files() -> list[str]:

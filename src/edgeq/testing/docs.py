@@ -167,6 +167,7 @@ class SettingsGroup:
 
 def settings_groups() -> list[SettingsGroup]:
     from edgeq.gateway.settings import GatewaySettings
+    from edgeq.resources.settings import ResourceSettings
     from edgeq.worker.settings import WorkerSettings
 
     return [
@@ -183,10 +184,17 @@ def settings_groups() -> list[SettingsGroup]:
             ConnectionSettings,
         ),
         SettingsGroup(
+            "OpenAI's resources: model names, responses, webhooks, files and batches",
+            ResourceSettings,
+            "`edgeq gateway` and `edgeq batch` (`edgeq.resources.settings.ResourceSettings`), "
+            "besides the connection settings",
+            ConnectionSettings,
+        ),
+        SettingsGroup(
             "The gateway",
             GatewaySettings,
             "`edgeq gateway` (`edgeq.gateway.settings.GatewaySettings`), besides the ones above",
-            ConnectionSettings,
+            ResourceSettings,
         ),
     ]
 
@@ -310,7 +318,7 @@ def settings_reference(env_example: str, missing: list[str] | None = None) -> st
         "`.env`, `--env-file`, profiles) is on [Configuration](../configuration.md).",
         "",
         "A setting is read from the environment variable of its name, then from `.env` in the "
-        "working directory (or the file given with `--env-file`); \"(empty)\" means unset. "
+        'working directory (or the file given with `--env-file`); "(empty)" means unset. '
         "An invalid value stops the command at start-up with a message naming the variable. "
         'Where a description says "seed", it means the article edgeq grew from, "cutting '
         'Qwen3-0.6B latency with seven knobs" (the knobs are on '
@@ -331,7 +339,7 @@ def settings_reference(env_example: str, missing: list[str] | None = None) -> st
         "",
         "`EDGEQ_PROFILE` fills in these values for the settings that are not set otherwise "
         "(an `EDGEQ_*` variable, in the environment or in `.env`, wins over its profile). "
-        "\"-\": the profile leaves the setting alone.",
+        '"-": the profile leaves the setting alone.',
         "",
         "| Variable | " + " | ".join(f"`{name}`" for name in names) + " |",
         "|---|" + "---|" * len(names),

@@ -1,4 +1,4 @@
--- Take or keep a batch's lease (gateway/batch_runner.py): one runner at a time runs a batch;
+-- Take or keep a batch's lease (resources/batches/runner.py): one runner at a time runs a batch;
 -- a runner that stops renewing (its gateway was killed) loses it after the TTL, and another
 -- takes it over.
 --

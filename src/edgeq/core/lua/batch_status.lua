@@ -1,4 +1,4 @@
--- Move a batch to a new status (gateway/batch_store.py): only from one of the statuses given,
+-- Move a batch to a new status (resources/batches/store.py): only from one of the statuses given,
 -- so a cancel and a runner finishing the batch can never both win.
 --
 -- KEYS: the batch's record (a hash); ARGV: the new status, the timestamp field to set with

@@ -15,7 +15,7 @@
 -- queue has filled up since; it is taken only with the enqueue. Calls of one batch run one
 -- after the other in this script, so 50 submits with one key enqueue one job.
 --
--- The lines of batches (gateway/batch_runner.py) are bounded on their own
+-- The lines of batches (resources/batches/runner.py) are bounded on their own
 -- (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; their runner enqueues them with no limit) and left out of
 -- the depth every other job is admitted against, so batches never get a chat refused.
 

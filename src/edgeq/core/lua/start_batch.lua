@@ -1,5 +1,5 @@
 -- Start a validated batch if its tenant's caps allow it, in one step with the check
--- (gateway/batch_store.py create_batch; needs tenant_usage.lua). Its lines are already in its
+-- (resources/batches/store.py create_batch; needs tenant_usage.lua). Its lines are already in its
 -- input list (pushed before: a refused batch's list is deleted by the caller).
 --
 -- KEYS: the tenant's file index, its active batches, the batch's key, the queue's active

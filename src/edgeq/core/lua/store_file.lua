@@ -1,6 +1,6 @@
 -- Store a file of a tenant if its caps allow it, in one step with the check, so concurrent
 -- uploads (from any number of gateway processes) never keep more than the caps
--- (gateway/batch_store.py create_file; needs tenant_usage.lua).
+-- (resources/batches/store.py create_file; needs tenant_usage.lua).
 --
 -- KEYS: the tenant's file index, its active batches, the file's key. ARGV: the file-key and
 -- batch-key prefixes, the file id, created (s), the record (JSON), the tenant, the content,

@@ -1,5 +1,5 @@
 -- Put a batch's next line in flight if the lines of all batches together leave room for it
--- (gateway/batch_runner.py; EDGEQ_GATEWAY_BATCH_QUEUED_MAX). One step, so runners in any
+-- (resources/batches/runner.py; EDGEQ_GATEWAY_BATCH_QUEUED_MAX). One step, so runners in any
 -- number of gateway processes never hold more lines queued or running than the limit.
 --
 -- KEYS: the queue's batch lines, the batch's in-flight lines, the batch's record. ARGV: the

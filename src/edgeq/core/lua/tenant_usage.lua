@@ -1,5 +1,5 @@
 -- Shared functions (core/scripts.py prepends this file) of the scripts that check a tenant's
--- caps on files and batches and take them in the same step (gateway/batch_store.py): what the
+-- caps on files and batches and take them in the same step (resources/batches/store.py): what the
 -- tenant keeps, counted from its indexes. A file that expired, or a batch that ended, is
 -- dropped from its index here, so the counts need no cleanup when keys expire.
 

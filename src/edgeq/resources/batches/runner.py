@@ -49,18 +49,19 @@ from edgeq.core.keys import (
 )
 from edgeq.core.protocol import ChatResult, ErrorCode
 from edgeq.core.scripts import lua_script
-from edgeq.gateway.batch_store import (
+from edgeq.producer.client import ChatClient
+from edgeq.producer.queue import Enqueued
+from edgeq.resources.batches.store import (
     FINAL_STATUSES,
     OUTPUT_PURPOSE,
     BatchLine,
+    BatchRecord,
     BatchStore,
     line_request_id,
 )
-from edgeq.gateway.openai_api import completion_json, error_json
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.gateway.webhooks import queue_event
-from edgeq.producer.client import ChatClient
-from edgeq.producer.queue import Enqueued
+from edgeq.resources.openai_api import completion_json, error_json
+from edgeq.resources.settings import ResourceSettings
+from edgeq.resources.webhooks import queue_event
 
 log = structlog.get_logger("edgeq.batch")
 
@@ -72,6 +73,8 @@ QUEUE_FULL_RETRY_S = 0.5
 #: is run again, with a new job, up to this many times.
 RETRIED_CODES = (ErrorCode.WORKER_LOST, ErrorCode.SHUTDOWN)
 MAX_ATTEMPTS = 3
+#: Input lines read (and unrun lines recorded) per round trip when a batch finishes.
+FINISH_CHUNK = 1000
 #: The HTTP status an output line reports for a job's error code.
 LINE_STATUS = {"invalid_request": 400, "prompt_too_long": 400, "cancelled": 499}
 
@@ -111,88 +114,95 @@ class BatchRun:
         self.stopping: str | None = None
 
     async def run(self) -> None:
-        fields = await self.store.raw_batch(self.batch_id)
-        if fields is None or fields["status"] in FINAL_STATUSES:  # a runner died finishing it
-            await self.runner.release_lines(self.batch_id)
-            parts = ("input", "inflight", "out", "err", "attempts")
-            async with self.store.redis.pipeline(transaction=True) as pipe:
-                pipe.srem(active_batches_key(self.store.queue), self.batch_id)
-                pipe.delete(*(self.store.part(part, self.batch_id) for part in parts))
-                if fields is not None:  # its webhook event, in case it died before queuing it
-                    self.queue_ended_event(pipe, fields["status"], fields["tenant"])
-                    pipe.srem(
-                        tenant_active_batches_key(self.store.queue, fields["tenant"]),
-                        self.batch_id,
-                    )
-                await pipe.execute()
-            return
-        doc = json.loads(fields["doc"])
-        self.tenant, self.total, self.expires_at = fields["tenant"], doc["total"], doc["expires_at"]
+        record = await self.store.record(self.batch_id)
+        if record is None or record.status in FINAL_STATUSES:  # a runner died finishing it
+            return await self.clean_up(record)
+        self.tenant, self.total, self.expires_at = record.tenant, record.total, record.expires_at
         self.log = self.log.bind(tenant=self.tenant)
-        store, window = self.store, self.runner.settings.gateway_batch_window
-        inflight_key = store.part("inflight", self.batch_id)
-        next_line = int(fields.get("next_line", 0))
-        tasks: dict[int, asyncio.Task[None]] = {}
-        resumed = [int(raw) for raw in await store.redis.smembers(inflight_key)]
-        if resumed:  # a runner before us left these: in the batches' budget still (or again)
-            await store.redis.sadd(
-                batch_lines_key(store.queue), *(line_member(self.batch_id, n) for n in resumed)
-            )
-        for line in resumed:
-            tasks[line] = asyncio.create_task(self.run_line(line))
+        next_line = record.next_line
+        tasks = await self.resume()
         self.log.info("batch_running", lines=self.total, next_line=next_line, resumed=len(tasks))
         try:
             while True:
-                status = (await store.raw_batch(self.batch_id) or {}).get("status")
+                now = await self.store.record(self.batch_id)
+                status = None if now is None else now.status
                 if status == "cancelling":
                     return await self.stop(tasks, "cancelled")
                 if status != "in_progress":
                     return  # finished elsewhere, or expired out of Redis
                 if time.time() >= self.expires_at:
                     return await self.stop(tasks, "expired")
-                while len(tasks) < window and next_line < self.total:
-                    # In flight before enqueued: a runner taking over finds every line whose
-                    # job may exist (and attaches to it: its id is fixed). Taken from the
-                    # batches' common budget too (EDGEQ_GATEWAY_BATCH_QUEUED_MAX): none left,
-                    # the line waits for one of any batch to end.
-                    if not await self.runner.take_line(self.batch_id, next_line):
-                        break
-                    tasks[next_line] = asyncio.create_task(self.run_line(next_line))
-                    next_line += 1
+                next_line = await self.start_lines(tasks, next_line)
                 if not tasks and next_line >= self.total:
                     return await self.finish("completed")
                 if not tasks:  # other batches hold the whole budget: look again later
                     await asyncio.sleep(POLL_S)
                     continue
-                done, _ = await asyncio.wait(
-                    tasks.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                for line, task in list(tasks.items()):
-                    if task in done:
-                        del tasks[line]
-                        if task.exception() is not None:  # Redis away: the line runs again
-                            self.log.warning(
-                                "batch_line_retry", line=line, error=str(task.exception())
-                            )
-                            await asyncio.sleep(QUEUE_FULL_RETRY_S)
-                            tasks[line] = asyncio.create_task(self.run_line(line))
+                await self.reap(tasks)
         finally:
             for task in tasks.values():
                 task.cancel()
             await asyncio.gather(*tasks.values(), return_exceptions=True)
 
+    async def clean_up(self, record: BatchRecord | None) -> None:
+        """What a runner that died finishing the batch left: its working keys, its place in
+        the active sets, and (in case it died before queuing it) its webhook event."""
+        await self.runner.release_lines(self.batch_id)
+        parts = ("input", "inflight", "out", "err", "attempts")
+        async with self.store.redis.pipeline(transaction=True) as pipe:
+            pipe.srem(active_batches_key(self.store.queue), self.batch_id)
+            pipe.delete(*(self.store.part(part, self.batch_id) for part in parts))
+            if record is not None:
+                self.queue_ended_event(pipe, record.status, record.tenant)
+                pipe.srem(
+                    tenant_active_batches_key(self.store.queue, record.tenant), self.batch_id
+                )
+            await pipe.execute()
+
+    async def resume(self) -> dict[int, asyncio.Task[None]]:
+        """The lines a runner before us left in flight, running again (in the batches' budget
+        still, or again)."""
+        store = self.store
+        inflight_key = store.part("inflight", self.batch_id)
+        resumed = [int(raw) for raw in await store.redis.smembers(inflight_key)]
+        if resumed:
+            await store.redis.sadd(
+                batch_lines_key(store.queue), *(line_member(self.batch_id, n) for n in resumed)
+            )
+        return {line: asyncio.create_task(self.run_line(line)) for line in resumed}
+
+    async def start_lines(self, tasks: dict[int, asyncio.Task[None]], next_line: int) -> int:
+        """Start lines from ``next_line`` while the batch's window has room; the next line."""
+        while len(tasks) < self.runner.settings.gateway_batch_window and next_line < self.total:
+            # In flight before enqueued: a runner taking over finds every line whose job may
+            # exist (and attaches to it: its id is fixed). Taken from the batches' common
+            # budget too (EDGEQ_GATEWAY_BATCH_QUEUED_MAX): none left, the line waits for one of
+            # any batch to end.
+            if not await self.runner.take_line(self.batch_id, next_line):
+                break
+            tasks[next_line] = asyncio.create_task(self.run_line(next_line))
+            next_line += 1
+        return next_line
+
+    async def reap(self, tasks: dict[int, asyncio.Task[None]]) -> None:
+        """Wait a little for lines to end; one that failed on Redis runs again."""
+        done, _ = await asyncio.wait(
+            tasks.values(), timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
+        )
+        for line, task in list(tasks.items()):
+            if task in done:
+                del tasks[line]
+                if task.exception() is not None:  # Redis away: the line runs again
+                    self.log.warning("batch_line_retry", line=line, error=str(task.exception()))
+                    await asyncio.sleep(QUEUE_FULL_RETRY_S)
+                    tasks[line] = asyncio.create_task(self.run_line(line))
+
     async def run_line(self, line: int) -> None:
         """Run one line to its outcome and record it (once), then take it out of flight."""
         store, redis = self.store, self.store.redis
-        item = BatchLine.model_validate_json(
-            await redis.lindex(store.part("input", self.batch_id), line)
-        )
-        out_key, err_key = store.part("out", self.batch_id), store.part("err", self.batch_id)
-        if not (
-            await redis.hexists(out_key, item.custom_id)
-            or await redis.hexists(err_key, item.custom_id)
-        ):
-            attempt = int(await redis.hget(store.part("attempts", self.batch_id), line) or 0)
+        item = await store.line(self.batch_id, line)
+        if not await store.is_recorded(self.batch_id, item.custom_id):
+            attempt = await store.attempt(self.batch_id, line)
             while True:
                 job_id = line_job_id(store.queue, self.batch_id, line, attempt)
                 outcome = await self.job_outcome(job_id, item)
@@ -202,7 +212,7 @@ class BatchRun:
                     and attempt + 1 < MAX_ATTEMPTS
                     and self.stopping is None
                 ):
-                    attempt = await redis.hincrby(store.part("attempts", self.batch_id), line)
+                    attempt = await store.next_attempt(self.batch_id, line)
                     self.log.info("batch_line_again", line=line, code=outcome.code)
                     continue
                 break
@@ -253,7 +263,6 @@ class BatchRun:
     async def record(
         self, line: int, item: BatchLine, job_id: str, outcome: ChatResult | JobFailed
     ) -> None:
-        store = self.store
         request_id = line_request_id(self.batch_id, line)
         if isinstance(outcome, ChatResult):
             body = completion_json(outcome, model=item.model, created=int(time.time()))
@@ -263,7 +272,6 @@ class BatchRun:
                 "response": {"status_code": 200, "request_id": job_id, "body": body},
                 "error": None,
             }
-            key = store.part("out", self.batch_id)
         else:
             code = outcome.code
             if code == "cancelled" and self.stopping is not None:
@@ -285,9 +293,8 @@ class BatchRun:
                         type="invalid_request_error" if status < 500 else "server_error",
                     ),
                 }
-            key = store.part("err", self.batch_id)
-        # Written once per custom_id: a line run again by a runner taking over is not doubled.
-        await store.redis.hsetnx(key, item.custom_id, f"{line} {json.dumps(entry)}")
+        ok = isinstance(outcome, ChatResult)
+        await self.store.record_line(self.batch_id, line, item.custom_id, entry, ok=ok)
 
     async def stop(self, tasks: dict[int, asyncio.Task[None]], why: str) -> None:
         """Cancel or expiry: no line starts any more, running ones are stopped (each records
@@ -296,9 +303,7 @@ class BatchRun:
         self.log.info("batch_stopping", why=why, in_flight=len(tasks))
         reason = f"the batch was {why}"
         for line in tasks:
-            attempt = int(
-                await self.store.redis.hget(self.store.part("attempts", self.batch_id), line) or 0
-            )
+            attempt = await self.store.attempt(self.batch_id, line)
             await self.client.cancel(
                 line_job_id(self.store.queue, self.batch_id, line, attempt), reason
             )
@@ -309,33 +314,63 @@ class BatchRun:
     async def finish(self, status: str) -> None:
         """Write the output and error files (partial ones for a cancel or expiry) and end the
         batch. Safe to run again after a crash: the files' ids are the batch's."""
-        store, redis, batch_id = self.store, self.store.redis, self.batch_id
+        store, batch_id = self.store, self.batch_id
         since = ("cancelling",) if status == "cancelled" else ("in_progress",)
         if status == "completed":
             await store.set_status(batch_id, "finalizing", since=("in_progress",))
             since = ("finalizing",)
+        await self.record_unrun(status)
+        record_fields = await self.write_files()
+        # The counts move into the record: the lines' hashes are the files now, not kept twice.
         out_key, err_key = store.part("out", batch_id), store.part("err", batch_id)
+        record_fields["completed"] = str(await store.redis.hlen(out_key))
+        record_fields["failed"] = str(await store.redis.hlen(err_key))
+        await store.update_batch(batch_id, record_fields)
+        await store.set_status(batch_id, status, since=since)  # type: ignore[arg-type]
+        await self.runner.release_lines(batch_id)
+        async with store.redis.pipeline(transaction=True) as pipe:
+            self.queue_ended_event(pipe, status, self.tenant)
+            store.forget_batch_work(pipe, batch_id, self.tenant)
+            await pipe.execute()
+        self.log.info("batch_finished", status=status)
+
+    async def record_unrun(self, status: str) -> None:
+        """Put each line that never ran in the error file, once: the lines read and written
+        a chunk per round trip, not one by one (a batch may have 50,000)."""
+        redis, batch_id = self.store.redis, self.batch_id
+        out_key, err_key = self.store.part("out", batch_id), self.store.part("err", batch_id)
         recorded = set(await redis.hkeys(out_key)) | set(await redis.hkeys(err_key))
-        input_key = store.part("input", batch_id)
-        for line in range(self.total):  # lines that never ran: in the error file, once each
-            item = BatchLine.model_validate_json(await redis.lindex(input_key, line))
-            if item.custom_id.encode() not in recorded:
-                entry = {
-                    "id": line_request_id(batch_id, line),
-                    "custom_id": item.custom_id,
-                    "response": None,
-                    "error": {
-                        "code": f"batch_{status}",
-                        "message": f"the batch was {status} before this line ran",
-                    },
-                }
-                await redis.hsetnx(err_key, item.custom_id, f"{line} {json.dumps(entry)}")
-        record_fields: dict[str, str] = {}
-        for part, suffix in ((out_key, "output"), (err_key, "error")):
+        input_key = self.store.part("input", batch_id)
+        for start in range(0, self.total, FINISH_CHUNK):
+            raws = await redis.lrange(input_key, start, start + FINISH_CHUNK - 1)
+            async with redis.pipeline(transaction=False) as pipe:
+                for line, raw in enumerate(raws, start=start):
+                    item = BatchLine.model_validate_json(raw)
+                    if item.custom_id.encode() in recorded:
+                        continue
+                    entry = {
+                        "id": line_request_id(batch_id, line),
+                        "custom_id": item.custom_id,
+                        "response": None,
+                        "error": {
+                            "code": f"batch_{status}",
+                            "message": f"the batch was {status} before this line ran",
+                        },
+                    }
+                    pipe.hsetnx(err_key, item.custom_id, f"{line} {json.dumps(entry)}")
+                await pipe.execute()
+
+    async def write_files(self) -> dict[str, str]:
+        """The output and error files, each line in input order; their ids, as the record's
+        ``output_file_id`` and ``error_file_id`` (none for an empty one)."""
+        store, batch_id = self.store, self.batch_id
+        file_ids: dict[str, str] = {}
+        for part, suffix in (("out", "output"), ("err", "error")):
             entries = sorted(
                 (int(line), text)
                 for line, _, text in (
-                    raw.decode().partition(" ") for raw in (await redis.hvals(part))
+                    raw.decode().partition(" ")
+                    for raw in await store.redis.hvals(store.part(part, batch_id))
                 )
             )
             if not entries:
@@ -345,28 +380,8 @@ class BatchRun:
             await store.create_file(
                 self.tenant, f"{batch_id}_{suffix}.jsonl", OUTPUT_PURPOSE, content, file_id=file_id
             )
-            record_fields[f"{suffix}_file_id"] = file_id
-        # The counts move into the record: the lines' hashes are the files now, not kept twice.
-        record_fields["completed"] = str(await redis.hlen(out_key))
-        record_fields["failed"] = str(await redis.hlen(err_key))
-        await redis.hset(batch_key(store.queue, batch_id), mapping=record_fields)
-        await store.set_status(batch_id, status, since=since)  # type: ignore[arg-type]
-        retention_ms = int(self.runner.settings.gateway_file_retention_s * 1000)
-        await self.runner.release_lines(batch_id)
-        async with redis.pipeline(transaction=True) as pipe:
-            self.queue_ended_event(pipe, status, self.tenant)
-            pipe.srem(active_batches_key(store.queue), batch_id)
-            pipe.srem(tenant_active_batches_key(store.queue, self.tenant), batch_id)
-            pipe.delete(
-                input_key,
-                out_key,
-                err_key,
-                store.part("inflight", batch_id),
-                store.part("attempts", batch_id),
-            )
-            pipe.pexpire(batch_key(store.queue, batch_id), retention_ms)
-            await pipe.execute()
-        self.log.info("batch_finished", status=status)
+            file_ids[f"{suffix}_file_id"] = file_id
+        return file_ids
 
     def queue_ended_event(self, pipe: Pipeline, status: str, tenant: str) -> None:
         """``batch.<status>`` for the webhook endpoints that take the tenant's events; queued
@@ -381,7 +396,7 @@ class BatchRun:
 class BatchRunner:
     """Takes unfinished batches by lease and runs them (see the module doc)."""
 
-    def __init__(self, client: ChatClient, settings: GatewaySettings) -> None:
+    def __init__(self, client: ChatClient, settings: ResourceSettings) -> None:
         self.client = client
         self.settings = settings
         self.store = BatchStore(client.redis, settings)
@@ -491,7 +506,7 @@ class BatchRunner:
 
 
 @contextlib.asynccontextmanager
-async def running_batches(settings: GatewaySettings) -> AsyncIterator[BatchRunner | None]:
+async def running_batches(settings: ResourceSettings) -> AsyncIterator[BatchRunner | None]:
     """A BatchRunner in the background for as long as the block runs (the gateway's life),
     on a ChatClient of its own, so its lines never wait for the interactive requests' Redis
     connections; None when EDGEQ_GATEWAY_BATCH_RUNNER is off."""

@@ -19,17 +19,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
-from fastapi import FastAPI
 
 from edgeq.core.errors import EdgeqError
 from edgeq.core.events import read_events
 from edgeq.core.protocol import DoneEvent, ErrorEvent
 from edgeq.core.tasks import cancel_and_wait
-from edgeq.gateway.response_events import final_state, response_id
-from edgeq.gateway.response_store import ResponseStore
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.gateway.webhooks import WebhookSender, enqueue_event
 from edgeq.producer.client import ChatClient
+from edgeq.resources.responses.events import final_state, response_id
+from edgeq.resources.responses.store import ResponseStore
+from edgeq.resources.settings import ResourceSettings
+from edgeq.resources.webhooks import WebhookSender, enqueue_event
 
 log = structlog.get_logger("edgeq.gateway")
 
@@ -41,7 +40,7 @@ class ResponseFollower:
         self,
         client: ChatClient,
         store: ResponseStore,
-        settings: GatewaySettings,
+        settings: ResourceSettings,
         sender: WebhookSender | None = None,
     ) -> None:
         self.client = client
@@ -118,7 +117,7 @@ class ResponseFollower:
             self.settings,
             event_type=f"response.{state.status}",
             object_id=response_id(job_id),
-            tenant=request.get("tenant"),
+            tenant=request.tenant,
         )
         if self.sender is not None:
             self.sender.wake()
@@ -142,19 +141,18 @@ class ResponseFollower:
 
 
 @asynccontextmanager
-async def follow_responses(app: FastAPI, client: ChatClient) -> AsyncIterator[None]:
-    """For the app's life: its response store, and this process's follower and webhook
-    sender running in the background."""
-    settings: GatewaySettings = app.state.settings
+async def follow_responses(
+    client: ChatClient, settings: ResourceSettings
+) -> AsyncIterator[ResponseFollower]:
+    """For the gateway's life: this process's follower (holding the response store) and
+    webhook sender running in the background."""
     store = ResponseStore(client.redis, queue=settings.queue, ttl_s=settings.gateway_response_ttl_s)
-    app.state.responses = store
     sender = WebhookSender(client.redis, settings) if settings.gateway_webhooks else None
     follower = ResponseFollower(client, store, settings, sender)
-    app.state.response_follower = follower
     tasks = [asyncio.create_task(follower.run())]
     if sender is not None:
         tasks.append(asyncio.create_task(sender.run()))
     try:
-        yield
+        yield follower
     finally:
         await cancel_and_wait(*tasks)

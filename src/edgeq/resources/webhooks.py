@@ -37,26 +37,15 @@ from redis.asyncio.client import Pipeline
 
 from edgeq.core.connection import redis_errors
 from edgeq.core.errors import RedisUnavailable
+from edgeq.core.keys import webhook_deliveries_key, webhook_lock_key, webhooks_due_key
 from edgeq.core.tasks import cancel_and_wait
-from edgeq.gateway.settings import GatewaySettings, WebhookEndpoint
+from edgeq.resources.settings import ResourceSettings, WebhookEndpoint
 
 log = structlog.get_logger("edgeq.gateway")
 
 POLL_INTERVAL_S = 0.1
 #: Longest wait between two attempts, however many failed.
 MAX_BACKOFF_S = 3600.0
-
-
-def due_key(queue: str) -> str:
-    return f"{queue}:webhooks:due"
-
-
-def bodies_key(queue: str) -> str:
-    return f"{queue}:webhooks:deliveries"
-
-
-def lock_key(queue: str, member: str) -> str:
-    return f"{queue}:webhooks:lock:{member}"
 
 
 def endpoint_tag(endpoint: WebhookEndpoint) -> str:
@@ -89,7 +78,7 @@ def event_json(event_type: str, object_id: str, created_at: int) -> dict[str, An
 
 def queue_event(
     pipe: Pipeline,
-    settings: GatewaySettings,
+    settings: ResourceSettings,
     *,
     event_type: str,
     object_id: str,
@@ -107,15 +96,15 @@ def queue_event(
             continue
         member = f"{endpoint_tag(endpoint)}:{event['id']}"
         record = {"body": body, "id": event["id"], "first_at": now, "attempts": 0}
-        pipe.hsetnx(bodies_key(settings.queue), member, json.dumps(record))
-        pipe.zadd(due_key(settings.queue), {member: now}, nx=True)
+        pipe.hsetnx(webhook_deliveries_key(settings.queue), member, json.dumps(record))
+        pipe.zadd(webhooks_due_key(settings.queue), {member: now}, nx=True)
         count += 1
     return count
 
 
 async def enqueue_event(
     redis: Redis,
-    settings: GatewaySettings,
+    settings: ResourceSettings,
     *,
     event_type: str,
     object_id: str,
@@ -134,7 +123,7 @@ async def enqueue_event(
 class WebhookSender:
     """Delivers a queue's webhooks from this gateway process (see the module doc)."""
 
-    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Redis, settings: ResourceSettings) -> None:
         self.redis = redis
         self.settings = settings
         self.endpoints = {endpoint_tag(e): e for e in settings.gateway_webhooks}
@@ -170,7 +159,9 @@ class WebhookSender:
 
     async def _poll(self) -> None:
         queue = self.settings.queue
-        due = await self.redis.zrangebyscore(due_key(queue), "-inf", time.time(), start=0, num=100)
+        due = await self.redis.zrangebyscore(
+            webhooks_due_key(queue), "-inf", time.time(), start=0, num=100
+        )
         for raw in due:
             member = raw.decode()
             tag = member.partition(":")[0]
@@ -178,7 +169,7 @@ class WebhookSender:
             if member in self.in_flight or slots is None or slots.locked():
                 continue  # an endpoint no longer configured here, or busy: left for later
             lock_ms = int((self.settings.gateway_webhook_timeout_s + 5) * 1000)
-            if not await self.redis.set(lock_key(queue, member), "1", nx=True, px=lock_ms):
+            if not await self.redis.set(webhook_lock_key(queue, member), "1", nx=True, px=lock_ms):
                 continue  # another gateway process is making this attempt
             await slots.acquire()
             self.in_flight.add(member)
@@ -192,16 +183,16 @@ class WebhookSender:
         queue = self.settings.queue
         bound = log.bind(webhook_id=member.partition(":")[2], endpoint=member.partition(":")[0])
         try:
-            raw = await self.redis.hget(bodies_key(queue), member)
+            raw = await self.redis.hget(webhook_deliveries_key(queue), member)
             if raw is None:  # delivered by another process meanwhile
-                await self.redis.zrem(due_key(queue), member)
+                await self.redis.zrem(webhooks_due_key(queue), member)
                 return
             record = json.loads(raw)
             delivered, why = await self._post(endpoint, record)
             if delivered:
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.zrem(due_key(queue), member)
-                    pipe.hdel(bodies_key(queue), member)
+                    pipe.zrem(webhooks_due_key(queue), member)
+                    pipe.hdel(webhook_deliveries_key(queue), member)
                     await pipe.execute()
                 bound.info("webhook_delivered", attempts=record["attempts"] + 1)
                 return
@@ -213,14 +204,14 @@ class WebhookSender:
             next_at = time.time() + backoff
             if next_at > record["first_at"] + self.settings.gateway_webhook_retry_s:
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.zrem(due_key(queue), member)
-                    pipe.hdel(bodies_key(queue), member)
+                    pipe.zrem(webhooks_due_key(queue), member)
+                    pipe.hdel(webhook_deliveries_key(queue), member)
                     await pipe.execute()
                 bound.warning("webhook_given_up", attempts=record["attempts"], why=why)
                 return
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(bodies_key(queue), member, json.dumps(record))
-                pipe.zadd(due_key(queue), {member: next_at}, xx=True)
+                pipe.hset(webhook_deliveries_key(queue), member, json.dumps(record))
+                pipe.zadd(webhooks_due_key(queue), {member: next_at}, xx=True)
                 await pipe.execute()
             bound.info("webhook_retry", attempts=record["attempts"], why=why, in_s=backoff)
         except Exception as error:  # Redis away: the lock runs out and the attempt is redone
@@ -229,7 +220,7 @@ class WebhookSender:
             self.in_flight.discard(member)
             slots.release()
             try:
-                await self.redis.delete(lock_key(queue, member))
+                await self.redis.delete(webhook_lock_key(queue, member))
             except Exception:  # the lock runs out on its own
                 pass
 

@@ -7,7 +7,7 @@
     edgeq batch list
     edgeq batch usage                              # each tenant's use against its caps
 
-It uses the same Python API as the gateway's /v1/files and /v1/batches (batch_store.py), so a
+It uses the same Python API as the gateway's /v1/files and /v1/batches (store.py), so a
 batch submitted here shows in the gateway and the other way round. ``--wait`` runs a
 BatchRunner for the batch in this process too: it works with no gateway running, and with one
 it is whichever takes the batch's lease first. Needs no FastAPI.
@@ -35,27 +35,27 @@ from edgeq.exit_codes import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
 )
-from edgeq.gateway.batch_runner import BatchRunner
-from edgeq.gateway.batch_store import (
+from edgeq.producer.client import ChatClient
+from edgeq.resources.batches.runner import BatchRunner
+from edgeq.resources.batches.store import (
     FINAL_STATUSES,
     BatchApiError,
     BatchObject,
     BatchStore,
     TenantUsage,
 )
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.producer.client import ChatClient
+from edgeq.resources.settings import ResourceSettings
 
 PROGRESS_INTERVAL_S = 1.0
 
 
-def _settings(args: argparse.Namespace) -> GatewaySettings:
+def _settings(args: argparse.Namespace) -> ResourceSettings:
     overrides = {
         name: value
         for name, value in (("redis_url", args.redis_url), ("queue", args.queue))
         if value is not None
     }
-    return load_settings(GatewaySettings, **overrides)
+    return load_settings(ResourceSettings, **overrides)
 
 
 def progress_line(batch: BatchObject, started: float, done_at_start: int) -> str:
@@ -86,7 +86,7 @@ def _summary(batch: BatchObject) -> str:
     return "\n".join(parts)
 
 
-def usage_table(usages: list[TenantUsage], settings: GatewaySettings) -> str:
+def usage_table(usages: list[TenantUsage], settings: ResourceSettings) -> str:
     """Each tenant's use of Redis against its caps, one line each."""
     files, size = settings.gateway_files_per_tenant, settings.gateway_bytes_per_tenant
     batches = settings.gateway_batches_per_tenant
@@ -106,7 +106,7 @@ def usage_table(usages: list[TenantUsage], settings: GatewaySettings) -> str:
 async def _wait(
     store: BatchStore,
     client: ChatClient,
-    settings: GatewaySettings,
+    settings: ResourceSettings,
     tenant: str,
     batch_id: str,
     quiet: bool,

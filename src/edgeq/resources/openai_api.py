@@ -70,8 +70,8 @@ class RequestPart(BaseModel):
 
 
 def field_error(field: str, message: str, *, code: str = "invalid_request") -> PydanticCustomError:
-    """A validation error naming ``field`` (errors.py makes it the 400's ``param``); raised
-    from a model validator, whose own location is the whole body."""
+    """A validation error naming ``field`` (the gateway's errors.py makes it the 400's
+    ``param``); raised from a model validator, whose own location is the whole body."""
     return PydanticCustomError("edgeq_field", "{message}", {"field": field, "message": message,
                                                              "code": code})  # fmt: skip
 
@@ -437,3 +437,14 @@ def error_json(
 
 def now_s() -> int:
     return int(time.time())
+
+
+def list_json(data: list[Any], has_more: bool = False) -> dict[str, Any]:
+    """A page of a list resource (files, batches), with the cursors OpenAI's SDKs page by."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }

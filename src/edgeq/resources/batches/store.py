@@ -9,7 +9,7 @@
 Files are Redis hashes that expire after EDGEQ_GATEWAY_FILE_RETENTION_S. A batch's input is
 validated line by line when it is created, all of it before anything runs: a bad line fails the
 batch with ``errors`` naming every bad line, and nothing is enqueued. A valid batch keeps each
-line's edgeq request in a list and waits for a runner (batch_runner.py) to feed it to the queue.
+line's edgeq request in a list and waits for a runner (runner.py) to feed it to the queue.
 Output and error lines are written once per ``custom_id`` (HSETNX), so a line a restarted runner
 runs again never appears twice. Files and batches belong to the tenant that made them: another
 tenant is told they do not exist.
@@ -28,6 +28,7 @@ from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ValidationError, field_validator
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from edgeq.core.errors import EdgeqError
 from edgeq.core.keys import (
@@ -43,15 +44,15 @@ from edgeq.core.keys import (
 )
 from edgeq.core.protocol import describe_validation_error, dump_json, job_payload
 from edgeq.core.scripts import lua_script
-from edgeq.gateway.openai_api import (
+from edgeq.producer.client import build_request
+from edgeq.resources.openai_api import (
     ChatCompletionRequest,
     UnsupportedField,
     encodable,
     unencodable_at,
 )
-from edgeq.gateway.settings import GatewaySettings
-from edgeq.gateway.webhooks import queue_event
-from edgeq.producer.client import build_request
+from edgeq.resources.settings import ResourceSettings
+from edgeq.resources.webhooks import queue_event
 
 #: The one endpoint a batch line may name (the chat endpoint; every line runs as a chat job).
 ENDPOINT = "/v1/chat/completions"
@@ -203,6 +204,86 @@ class BatchObject(BaseModel):
         return encodable(metadata)
 
 
+#: The moments a batch's record stamps (Unix s), each when its status began.
+STAMPS = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
+
+
+class BatchRecord(BaseModel):
+    """A batch as its hash keeps it: what was fixed when it was created (the JSON ``doc``
+    field), its owner, and what changes while it runs (status and its stamps, the line to
+    start next, the files and counts of a finished batch). Written by this module only."""
+
+    # The document fixed at creation.
+    id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    created_at: int
+    expires_at: int
+    metadata: dict[str, str] | None = None
+    total: int
+    # The hash's other fields.
+    tenant: str
+    status: str
+    next_line: int = 0
+    errors: BatchErrors | None = None
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    #: A finished batch's counts (its lines' hashes are gone then); None while it runs.
+    completed: int | None = None
+    failed: int | None = None
+    stamps: dict[str, int | None] = {}
+
+    @classmethod
+    def from_hash(cls, fields: dict[str, str]) -> BatchRecord:
+        doc = json.loads(fields["doc"])
+        return cls(
+            **doc,
+            tenant=fields["tenant"],
+            status=fields["status"],
+            next_line=int(fields.get("next_line", 0)),
+            errors=BatchErrors.model_validate_json(fields["errors"])
+            if "errors" in fields
+            else None,
+            output_file_id=fields.get("output_file_id"),
+            error_file_id=fields.get("error_file_id"),
+            completed=_int(fields.get("completed")),
+            failed=_int(fields.get("failed")),
+            stamps={stamp: _int(fields.get(stamp)) for stamp in STAMPS},
+        )
+
+    def shown(self, completed: int, failed: int) -> BatchObject:
+        """OpenAI's Batch object; ``completed`` and ``failed`` count the lines recorded so far
+        (a finished batch's own counts win)."""
+        return BatchObject(
+            id=self.id,
+            endpoint=self.endpoint,
+            input_file_id=self.input_file_id,
+            completion_window=self.completion_window,
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+            metadata=self.metadata,
+            status=self.status,  # type: ignore[arg-type]  # written by this module only
+            errors=self.errors,
+            output_file_id=self.output_file_id,
+            error_file_id=self.error_file_id,
+            request_counts=RequestCounts(
+                total=self.total,
+                completed=self.completed if self.completed is not None else completed,
+                failed=self.failed if self.failed is not None else failed,
+            ),
+            **self.stamps,
+        )
+
+
 class BatchLine(BaseModel):
     """One validated input line, as the runner needs it."""
 
@@ -219,10 +300,9 @@ def _problem(line: int, code: str, message: str, param: str | None = None) -> Ba
     return BatchErrorItem(code=code, message=f"line {line}: {message}", param=param, line=line)
 
 
-def parse_line(
-    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: GatewaySettings
-) -> BatchLine | BatchErrorItem:
-    """One input line (numbered from 1) as a BatchLine, or what is wrong with it."""
+def _envelope(number: int, raw: bytes) -> dict[str, Any] | BatchErrorItem:
+    """The line's JSON object, if its envelope is right: a custom_id, POST to the endpoint,
+    a body; else what is wrong with it."""
     try:
         item = json.loads(raw)
     except ValueError as error:
@@ -253,11 +333,20 @@ def parse_line(
             f"url: must be {ENDPOINT}, the batch's endpoint (got {item.get('url')!r})",
             "url",
         )
-    body = item.get("body")
-    if not isinstance(body, dict):
+    if not isinstance(item.get("body"), dict):
         return _problem(number, "invalid_request", "body: missing (a JSON object)", "body")
+    return item
+
+
+def parse_line(
+    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
+) -> BatchLine | BatchErrorItem:
+    """One input line (numbered from 1) as a BatchLine, or what is wrong with it."""
+    item = _envelope(number, raw)
+    if isinstance(item, BatchErrorItem):
+        return item
     try:
-        chat = ChatCompletionRequest.model_validate(body)
+        chat = ChatCompletionRequest.model_validate(item["body"])
         if chat.stream:
             raise UnsupportedField("stream: a batch line's answer is not streamed; leave it out")
         fields = chat.edgeq_fields()
@@ -282,11 +371,11 @@ def parse_line(
     payload, problem = job_payload(request, settings)
     if problem:
         return _problem(number, "invalid_request", f"body: {problem}", "body")
-    return BatchLine(custom_id=custom_id, model=chat.model, request=payload)
+    return BatchLine(custom_id=item["custom_id"], model=chat.model, request=payload)
 
 
 def parse_batch_file(
-    content: bytes, *, tenant: str, models: list[str] | None, settings: GatewaySettings
+    content: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
 ) -> tuple[list[BatchLine], list[BatchErrorItem]]:
     """Every line of an input file, validated; blank lines are skipped (they count in the
     numbering, as an editor shows it). CPU-bound: run it in a thread."""
@@ -334,10 +423,29 @@ def _int(value: bytes | str | None) -> int | None:
     return None if value is None else int(float(value))
 
 
+def _check_endpoint(endpoint: str, completion_window: str) -> None:
+    """The only endpoint and completion window a batch may have (OpenAI's ``24h``)."""
+    if endpoint != ENDPOINT:
+        raise BatchApiError(
+            400,
+            f"endpoint: only {ENDPOINT} is supported (got {endpoint!r})",
+            code="invalid_endpoint",
+            param="endpoint",
+        )
+    if completion_window != COMPLETION_WINDOW:
+        raise BatchApiError(
+            400,
+            f"completion_window: only {COMPLETION_WINDOW!r} is "
+            f"supported (got {completion_window!r})",
+            code="invalid_completion_window",
+            param="completion_window",
+        )
+
+
 class BatchStore:
     """Files and batches of one queue's Redis (see the module doc)."""
 
-    def __init__(self, redis: Redis, settings: GatewaySettings) -> None:
+    def __init__(self, redis: Redis, settings: ResourceSettings) -> None:
         self.redis = redis
         self.settings = settings
         self.queue = settings.queue
@@ -367,33 +475,7 @@ class BatchStore:
         id the batch gives it, so finishing a batch twice writes one file)."""
         settings, owner = self.settings, self.tenant_of(tenant)
         if file_id is None:
-            if purpose != UPLOAD_PURPOSE:
-                raise BatchApiError(
-                    400,
-                    f"purpose: {purpose!r} is not supported here; upload "
-                    f"with purpose {UPLOAD_PURPOSE!r}",
-                    code="invalid_purpose",
-                    param="purpose",
-                )
-            if len(content) > settings.gateway_file_max_bytes:
-                raise BatchApiError(
-                    413,
-                    f"file: {len(content)} bytes, more than the "
-                    f"{settings.gateway_file_max_bytes} allowed "
-                    f"(EDGEQ_GATEWAY_FILE_MAX_BYTES)",
-                    code="file_too_large",
-                    param="file",
-                )
-            lines = count_lines(content)
-            if lines > settings.gateway_file_max_lines:
-                raise BatchApiError(
-                    400,
-                    f"file: {lines} lines, more than the "
-                    f"{settings.gateway_file_max_lines} allowed "
-                    f"(EDGEQ_GATEWAY_FILE_MAX_LINES)",
-                    code="too_many_lines",
-                    param="file",
-                )
+            self.check_upload(purpose, content)
             file_id = f"file-{uuid.uuid4().hex}"
             max_files = settings.gateway_files_per_tenant
             max_bytes = settings.gateway_bytes_per_tenant
@@ -432,6 +514,37 @@ class BatchStore:
         if outcome != 1:
             raise self.over_cap(owner, int(outcome), int(kept[0]), len(content))
         return record
+
+    def check_upload(self, purpose: str, content: bytes) -> None:
+        """An upload's purpose, size and line count, within EDGEQ_GATEWAY_FILE_MAX_*."""
+        settings = self.settings
+        if purpose != UPLOAD_PURPOSE:
+            raise BatchApiError(
+                400,
+                f"purpose: {purpose!r} is not supported here; upload "
+                f"with purpose {UPLOAD_PURPOSE!r}",
+                code="invalid_purpose",
+                param="purpose",
+            )
+        if len(content) > settings.gateway_file_max_bytes:
+            raise BatchApiError(
+                413,
+                f"file: {len(content)} bytes, more than the "
+                f"{settings.gateway_file_max_bytes} allowed "
+                f"(EDGEQ_GATEWAY_FILE_MAX_BYTES)",
+                code="file_too_large",
+                param="file",
+            )
+        lines = count_lines(content)
+        if lines > settings.gateway_file_max_lines:
+            raise BatchApiError(
+                400,
+                f"file: {lines} lines, more than the "
+                f"{settings.gateway_file_max_lines} allowed "
+                f"(EDGEQ_GATEWAY_FILE_MAX_LINES)",
+                code="too_many_lines",
+                param="file",
+            )
 
     def over_cap(self, owner: str, outcome: int, kept: int, adding: int) -> BatchApiError:
         """A cap's refusal (a store_file or start_batch script's answer), naming its setting."""
@@ -571,39 +684,9 @@ class BatchStore:
     ) -> BatchObject:
         """Validate every line of the input file, then either fail the batch (``errors``
         names each bad line; nothing runs) or leave it ``in_progress`` for a runner."""
-        if endpoint != ENDPOINT:
-            raise BatchApiError(
-                400,
-                f"endpoint: only {ENDPOINT} is supported (got {endpoint!r})",
-                code="invalid_endpoint",
-                param="endpoint",
-            )
-        if completion_window != COMPLETION_WINDOW:
-            raise BatchApiError(
-                400,
-                f"completion_window: only {COMPLETION_WINDOW!r} is "
-                f"supported (got {completion_window!r})",
-                code="invalid_completion_window",
-                param="completion_window",
-            )
+        _check_endpoint(endpoint, completion_window)
         owner = self.tenant_of(tenant)
-        try:
-            file = await self.get_file(owner, input_file_id)
-        except BatchApiError:
-            raise BatchApiError(
-                404,
-                f"input_file_id: no file with id {input_file_id!r}",
-                code="not_found",
-                param="input_file_id",
-            ) from None
-        if file.purpose != UPLOAD_PURPOSE:
-            raise BatchApiError(
-                400,
-                f"input_file_id: {input_file_id!r} has purpose "
-                f"{file.purpose!r}, not {UPLOAD_PURPOSE!r}",
-                code="invalid_purpose",
-                param="input_file_id",
-            )
+        await self._input_file(owner, input_file_id)
         usage = await self.usage(owner)  # a batch at the cap is refused before it is parsed
         if usage.active_batches >= self.settings.gateway_batches_per_tenant:
             raise self.over_cap(owner, CapReached.BATCHES, usage.active_batches, 0)
@@ -624,28 +707,57 @@ class BatchStore:
             "total": len(lines) if not problems else 0,
         }
         fields: dict[str, Any] = {"doc": dump_json(doc), "tenant": owner, "next_line": 0}
-        key = batch_key(self.queue, batch_id)
         if problems:
-            shown = problems[:MAX_ERRORS_LISTED]
-            if len(problems) > len(shown):
-                more = len(problems) - len(shown)
-                shown.append(
-                    BatchErrorItem(code="more_errors", message=f"and {more} more bad lines")
-                )
-            errors = BatchErrors(data=shown).model_dump_json()
-            fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key, mapping=fields)
-                pipe.pexpire(key, int(self.settings.gateway_file_retention_s * 1000))
-                queue_event(
-                    pipe, self.settings, event_type="batch.failed", object_id=batch_id,
-                    tenant=owner,
-                )  # fmt: skip
-                pipe.zadd(batches_key(self.queue, owner), {batch_id: int(now * 1000)})
-                await pipe.execute()
+            await self._fail_batch(owner, batch_id, fields, problems, now)
         else:
             await self.start_batch(owner, batch_id, fields, lines, int(now * 1000))
         return await self.get_batch(owner, batch_id)
+
+    async def _input_file(self, owner: str, input_file_id: str) -> FileObject:
+        """The batch's input file: the tenant's own, uploaded for a batch."""
+        try:
+            file = await self.get_file(owner, input_file_id)
+        except BatchApiError:
+            raise BatchApiError(
+                404,
+                f"input_file_id: no file with id {input_file_id!r}",
+                code="not_found",
+                param="input_file_id",
+            ) from None
+        if file.purpose != UPLOAD_PURPOSE:
+            raise BatchApiError(
+                400,
+                f"input_file_id: {input_file_id!r} has purpose "
+                f"{file.purpose!r}, not {UPLOAD_PURPOSE!r}",
+                code="invalid_purpose",
+                param="input_file_id",
+            )
+        return file
+
+    async def _fail_batch(
+        self,
+        owner: str,
+        batch_id: str,
+        fields: dict[str, Any],
+        problems: list[BatchErrorItem],
+        now: float,
+    ) -> None:
+        """Store a batch with bad lines as ``failed``, its errors naming the first of them."""
+        shown = problems[:MAX_ERRORS_LISTED]
+        if len(problems) > len(shown):
+            more = len(problems) - len(shown)
+            shown.append(BatchErrorItem(code="more_errors", message=f"and {more} more bad lines"))
+        errors = BatchErrors(data=shown).model_dump_json()
+        fields |= {"status": "failed", "failed_at": int(now), "errors": errors}
+        key = batch_key(self.queue, batch_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)
+            pipe.pexpire(key, int(self.settings.gateway_file_retention_s * 1000))
+            queue_event(
+                pipe, self.settings, event_type="batch.failed", object_id=batch_id, tenant=owner
+            )
+            pipe.zadd(batches_key(self.queue, owner), {batch_id: int(now * 1000)})
+            await pipe.execute()
 
     async def start_batch(
         self, owner: str, batch_id: str, fields: dict[str, Any], lines: list[BatchLine],
@@ -723,47 +835,15 @@ class BatchStore:
         fields = {name.decode(): value.decode() for name, value in record.items()}
         if fields.get("tenant") != self.tenant_of(tenant):
             raise not_found("batch", batch_id)
-        return self.batch_object(fields, completed, failed)
+        return BatchRecord.from_hash(fields).shown(completed, failed)
 
-    async def raw_batch(self, batch_id: str) -> dict[str, str] | None:
-        """A batch's record fields, whoever owns it (the runner's view)."""
-        record = await self.redis.hgetall(batch_key(self.queue, batch_id))
-        return {name.decode(): value.decode() for name, value in record.items()} or None
-
-    @staticmethod
-    def batch_object(fields: dict[str, str], completed: int, failed: int) -> BatchObject:
-        doc = json.loads(fields["doc"])
-        stamps = (
-            "in_progress_at",
-            "finalizing_at",
-            "completed_at",
-            "failed_at",
-            "expired_at",
-            "cancelling_at",
-            "cancelled_at",
-        )
-        return BatchObject(
-            id=doc["id"],
-            endpoint=doc["endpoint"],
-            input_file_id=doc["input_file_id"],
-            completion_window=doc["completion_window"],
-            created_at=doc["created_at"],
-            expires_at=doc["expires_at"],
-            metadata=doc["metadata"],
-            status=fields["status"],  # type: ignore[arg-type]  # written by this module only
-            errors=BatchErrors.model_validate_json(fields["errors"])
-            if "errors" in fields
-            else None,
-            output_file_id=fields.get("output_file_id"),
-            error_file_id=fields.get("error_file_id"),
-            # A finished batch keeps its counts in its record (its lines' hashes are gone).
-            request_counts=RequestCounts(
-                total=doc["total"],
-                completed=int(fields.get("completed", completed)),
-                failed=int(fields.get("failed", failed)),
-            ),
-            **{stamp: _int(fields.get(stamp)) for stamp in stamps},
-        )
+    async def record(self, batch_id: str) -> BatchRecord | None:
+        """A batch's record, whoever owns it (the runner's view); None if it is gone."""
+        fields = await self.redis.hgetall(batch_key(self.queue, batch_id))
+        if not fields:
+            return None
+        return BatchRecord.from_hash({name.decode(): value.decode() for name, value in
+                                      fields.items()})  # fmt: skip
 
     async def list_batches(
         self,
@@ -788,6 +868,49 @@ class BatchStore:
             return batches
 
         return await self._page(batches_key(self.queue, owner), "batch", load, after, limit, order)
+
+    # --- a running batch's lines (the runner's) ----------------------------------------------
+
+    async def line(self, batch_id: str, line: int) -> BatchLine:
+        """The batch's validated line (numbered from 0)."""
+        raw = await self.redis.lindex(self.part("input", batch_id), line)
+        return BatchLine.model_validate_json(raw)
+
+    async def is_recorded(self, batch_id: str, custom_id: str) -> bool:
+        """Whether the line's outcome is in the output or the error file already."""
+        if await self.redis.hexists(self.part("out", batch_id), custom_id):
+            return True
+        return bool(await self.redis.hexists(self.part("err", batch_id), custom_id))
+
+    async def attempt(self, batch_id: str, line: int) -> int:
+        """How often the line was run again (0: its first job)."""
+        return int(await self.redis.hget(self.part("attempts", batch_id), line) or 0)
+
+    async def next_attempt(self, batch_id: str, line: int) -> int:
+        return int(await self.redis.hincrby(self.part("attempts", batch_id), line))
+
+    async def record_line(
+        self, batch_id: str, line: int, custom_id: str, entry: dict[str, Any], *, ok: bool
+    ) -> None:
+        """The line's output (``ok``) or error entry, written once per custom_id: a line run
+        again by a runner taking over is not doubled."""
+        key = self.part("out" if ok else "err", batch_id)
+        await self.redis.hsetnx(key, custom_id, f"{line} {json.dumps(entry)}")
+
+    async def update_batch(self, batch_id: str, fields: dict[str, str]) -> None:
+        """Set fields of the batch's record (its files' ids, its final counts)."""
+        await self.redis.hset(batch_key(self.queue, batch_id), mapping=fields)
+
+    def forget_batch_work(self, pipe: Pipeline, batch_id: str, tenant: str) -> None:
+        """Queue, on ``pipe``: the batch out of the active sets, its working keys deleted, its
+        record kept for the retention (EDGEQ_GATEWAY_FILE_RETENTION_S) only."""
+        pipe.srem(active_batches_key(self.queue), batch_id)
+        pipe.srem(tenant_active_batches_key(self.queue, tenant), batch_id)
+        pipe.delete(*(self.part(part, batch_id) for part in ("input", "out", "err", "inflight",
+                                                            "attempts")))  # fmt: skip
+        pipe.pexpire(
+            batch_key(self.queue, batch_id), int(self.settings.gateway_file_retention_s * 1000)
+        )
 
     async def set_status(
         self, batch_id: str, status: BatchStatus, *, since: tuple[str, ...]

@@ -27,7 +27,8 @@ from typing import Any, Literal
 
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorCode, ErrorEvent
 from edgeq.core.structured import ToolCall
-from edgeq.gateway.openai_api import encodable
+from edgeq.resources.openai_api import encodable
+from edgeq.resources.responses.store import StoredResponse
 
 RESPONSE_PREFIX = "resp_"
 Status = Literal["queued", "in_progress", "completed", "failed", "cancelled", "incomplete"]
@@ -63,9 +64,9 @@ class ResponseState:
 class ResponseEvents:
     """Numbers a response's stream events; feed it the job's events in seq order."""
 
-    def __init__(self, request: dict[str, Any]) -> None:
-        self.request = request  # the stored request (responses.StoredResponse.public())
-        self.job_id: str = request["job_id"]
+    def __init__(self, request: StoredResponse) -> None:
+        self.request = request
+        self.job_id = request.job_id
         self.state = ResponseState()
         self.sequence = -1
 
@@ -191,8 +192,9 @@ class ResponseEvents:
 
 def error_event(error: dict[str, Any], sequence_number: int) -> dict[str, Any]:
     """A stream's ``error`` event (OpenAI's ResponseErrorEvent, which its SDK yields as one)
-    for an error body's fields (errors.py). The body's own ``type`` (``server_error``, ...)
-    is left out: an event's ``type`` is what the SDK reads it as, and any other than
+    for an error body's fields (the gateway's errors.py). The body's own ``type``
+    (``server_error``, ...) is left out: an event's ``type`` is what the SDK reads it as, and
+    any other than
     ``error`` made it take the event for another kind and end the stream without a word."""
     return {
         "type": "error",
@@ -250,7 +252,7 @@ def usage_json(done: DoneEvent) -> dict[str, Any]:
     }
 
 
-def response_json(request: dict[str, Any], state: ResponseState) -> dict[str, Any]:
+def response_json(request: StoredResponse, state: ResponseState) -> dict[str, Any]:
     """OpenAI's Response object for the stored ``request`` in ``state``."""
     error = None
     if state.error is not None and state.status == "failed":
@@ -258,31 +260,31 @@ def response_json(request: dict[str, Any], state: ResponseState) -> dict[str, An
     incomplete = {"reason": "max_output_tokens"} if state.status == "incomplete" else None
     completed_at = None
     if state.done is not None:
-        completed_at = request["created_at"] + state.done.timings.total_ms / 1000
+        completed_at = request.created_at + state.done.timings.total_ms / 1000
     return {
-        "id": response_id(request["job_id"]),
+        "id": response_id(request.job_id),
         "object": "response",
-        "created_at": request["created_at"],
+        "created_at": request.created_at,
         "status": state.status,
-        "background": request["background"],
+        "background": request.background,
         "completed_at": completed_at,
         "error": error,
         "incomplete_details": incomplete,
-        "instructions": request.get("instructions"),
-        "max_output_tokens": request.get("max_output_tokens"),
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
         # A record stored before metadata was checked may hold a lone surrogate: shown as
         # U+FFFD, so the response can still be read.
-        "metadata": encodable(request.get("metadata") or {}),
-        "model": request["model"],
-        "output": output_items(request["job_id"], state),
-        "parallel_tool_calls": request.get("parallel_tool_calls", True),
-        "previous_response_id": request.get("previous_response_id"),
-        "store": request["store"],
-        "temperature": request.get("temperature"),
-        "text": request.get("text") or {"format": {"type": "text"}},
-        "tool_choice": request.get("tool_choice") or "auto",
-        "tools": request.get("tools") or [],
-        "top_p": request.get("top_p"),
+        "metadata": encodable(request.metadata or {}),
+        "model": request.model,
+        "output": output_items(request.job_id, state),
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "previous_response_id": request.previous_response_id,
+        "store": request.store,
+        "temperature": request.temperature,
+        "text": request.text or {"format": {"type": "text"}},
+        "tool_choice": request.tool_choice or "auto",
+        "tools": request.tools or [],
+        "top_p": request.top_p,
         "truncation": "disabled",
         "usage": usage_json(state.done) if state.done is not None else None,
         "user": None,
@@ -290,7 +292,7 @@ def response_json(request: dict[str, Any], state: ResponseState) -> dict[str, An
 
 
 def final_state(
-    request: dict[str, Any], events: list[DeltaEvent | DoneEvent | ErrorEvent]
+    request: StoredResponse, events: list[DeltaEvent | DoneEvent | ErrorEvent]
 ) -> ResponseState:
     """The response's state after ``events`` (the job's, from seq 0, in order)."""
     mapper = ResponseEvents(request)

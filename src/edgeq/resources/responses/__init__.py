@@ -1,0 +1,1 @@
+"""OpenAI's Responses on the queue: its events, the stored responses, their follower."""
