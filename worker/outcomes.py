@@ -86,9 +86,7 @@ def not_started(reason: NotStarted) -> Ending:
     return _NOT_STARTED[reason]
 
 
-def job_failure(
-    error: BaseException, settings: WorkerSettings, *, draining: bool
-) -> Ending:
+def job_failure(error: BaseException, settings: WorkerSettings, *, draining: bool) -> Ending:
     """The error event of a started job that met ``error``."""
     # Here, not at the top: the job loop imports this table, and vLLM must be imported only
     # after worker/engine.py has set its environment.
