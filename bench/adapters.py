@@ -230,8 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r, b in zip(results[mode], results["base"], strict=True)
         ]
         print(
-            f"{mode:>9} / base: tok/s x{spread_text(ratios, 2)}   "
-            f"TTFT p50 x{spread_text(ttft, 2)}"
+            f"{mode:>9} / base: tok/s x{spread_text(ratios, 2)}   TTFT p50 x{spread_text(ttft, 2)}"
         )
     per_adapter_kib = (rss_on_full - rss_on_empty) * 1024 / max(len(names), 1)
     print(f"engine memory (RSS): LoRA off {rss_off:.1f} MiB, LoRA on with none "

@@ -6,6 +6,7 @@ The parser lives in ``edgeq.bench.commands``; this module is imported only when 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 from dotenv import dotenv_values
 from tqdm import tqdm
 
+from edgeq.bench.cpu import cpu_us_per_token
 from edgeq.bench.gpu_rate import GpuRate
 from edgeq.bench.metrics import BenchMetrics, calculate_metrics, parse_goodput
 from edgeq.bench.records import ModeRun
@@ -160,11 +162,18 @@ def run_config(
 def collect_metrics(
     runs: Sequence[ModeRun], slos_ms: Mapping[str, float]
 ) -> dict[str, BenchMetrics]:
-    return {
-        run.name: calculate_metrics(run.records, run.duration_s, slos_ms)
-        for run in runs
-        if run.error is None and run.records
-    }
+    metrics: dict[str, BenchMetrics] = {}
+    for run in runs:
+        if run.error is None and run.records:
+            figures = calculate_metrics(run.records, run.duration_s, slos_ms)
+            # Processes watched but no worker among them: the engine (--direct) ran its front
+            # end in this process, which is then the front.
+            per_token = cpu_us_per_token(
+                run.cpu_s, run.client_cpu_s, figures.total_output_tokens,
+                in_process="worker" not in run.cpu_s,
+            ) if run.cpu_s else {}  # fmt: skip
+            metrics[run.name] = dataclasses.replace(figures, cpu_us_per_token=per_token)
+    return metrics
 
 
 def setup_failed(error: Exception) -> int:

@@ -21,7 +21,7 @@ before the enqueue and the first token's way back).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,9 @@ class BenchMetrics:
     #: Queue modes only: the client's TTFT minus the worker's (enqueue → first token): its
     #: submit before the enqueue and the first token's way back through Redis.
     handoff: Distribution | None = None
+    #: CPU µs per generated token by role (edgeq.bench.cpu.cpu_us_per_token): ``front``,
+    #: ``engine``, ``redis``, ``client``; empty when the run measured no processes' CPU.
+    cpu_us_per_token: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def queued_share_of_ttft(self) -> float | None:
@@ -110,6 +113,8 @@ class BenchMetrics:
         for name in ("started_to_first", "handoff"):
             if (spread := getattr(self, name)) is not None:
                 data.update(spread.to_json(name))
+        for role, us in self.cpu_us_per_token.items():
+            data[f"{role}_cpu_us_per_token"] = us
         return data
 
 

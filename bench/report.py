@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from edgeq.bench.cpu import CPU_ROLES
 from edgeq.bench.metrics import PERCENTILES, BenchMetrics, percentile_word
 from edgeq.bench.records import ModeRun
 
@@ -65,6 +66,10 @@ ROWS: tuple[Row, ...] = (
     Row("Engine processes CPU (% of one core)", "engine_cpu_pct", ratio=False),
     Row("Worker process CPU (% of one core)", "worker_cpu_pct", ratio=False),
     Row("Redis CPU (% of one core)", "redis_cpu_pct", ratio=False),
+    *(
+        Row(f"{role.capitalize()} CPU per output token (µs)", f"{role}_cpu_us_per_token")
+        for role in CPU_ROLES
+    ),
     *_latency_rows("TTFT", "ttft", "Time to First Token"),
     *_latency_rows("TPOT", "tpot", "Time per Output Token (excl. 1st token)"),
     *_latency_rows("ITL", "itl", "Inter-chunk Latency (queue: between deltas)"),

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from edgeq.bench.cpu import CPU_ROLES
 from edgeq.bench.metrics import BenchMetrics
 
 Round = Mapping[str, BenchMetrics]  # mode name -> its metrics in that round
@@ -39,6 +40,10 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure("handoff p50 (ms)", lambda m: None if m.handoff is None else m.handoff.median_ms),
     Figure("success (%)", lambda m: m.success_rate * 100),
+    *(
+        Figure(f"{role} CPU µs/token", lambda m, role=role: m.cpu_us_per_token.get(role))
+        for role in CPU_ROLES
+    ),
 )
 
 

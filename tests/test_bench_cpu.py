@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from edgeq.bench.cpu import cpu_s_by_role, process_cpu_s
+from edgeq.bench.cpu import cpu_s_by_role, cpu_us_per_token, process_cpu_s
 from edgeq.worker.engine_processes import (
     engine_pids,
     identify,
@@ -108,3 +108,15 @@ def test_an_engine_process_is_waited_for_until_killed(
     (process,) = identify([engine.pid])
     assert wait_until_gone([process], timeout_s=0.2) == [process]  # busy, not ending
     assert kill_and_wait([process], timeout_s=5) == []  # a zombie counts as gone: no memory
+
+
+def test_cpu_per_token_names_the_front_process_of_each_kind_of_run() -> None:
+    # A queue run: the worker's own process is the front, the bench process the client.
+    queue = cpu_us_per_token(
+        {"worker": 0.5, "engine": 2.0, "redis": 0.1}, 0.2, 10_000, in_process=False
+    )
+    assert queue == pytest.approx({"front": 50.0, "engine": 200.0, "redis": 10.0, "client": 20.0})
+    # A direct run: the engine's front end is in the bench process, which has no client part.
+    direct = cpu_us_per_token({"engine": 2.0}, 0.3, 10_000, in_process=True)
+    assert direct == pytest.approx({"engine": 200.0, "front": 30.0})
+    assert cpu_us_per_token({"engine": 2.0}, 0.3, 0, in_process=True) == {}

@@ -4,6 +4,8 @@ hand-made requests whose figures are worked out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from edgeq.bench.metrics import BenchMetrics, calculate_metrics
@@ -11,20 +13,27 @@ from edgeq.bench.records import RequestRecord
 from edgeq.bench.rounds import format_rounds, ratio_spreads, rounds_json, spreads
 
 
-def mode(ttft_s: float, queued_ms: float | None = None) -> BenchMetrics:
-    """One request: TTFT ``ttft_s``, 11 tokens over one second (11 tok/s)."""
+def mode(
+    ttft_s: float, queued_ms: float | None = None, front_us: float | None = None
+) -> BenchMetrics:
+    """One request: TTFT ``ttft_s``, 11 tokens over one second (11 tok/s); ``front_us``:
+    the front process's CPU µs per token."""
     record = RequestRecord(
         index=0, user=0, success=True, start_s=0.0, ttft_s=ttft_s, e2el_s=1.0,
         output_tokens=11, prompt_tokens=10, queued_ms=queued_ms,
     )  # fmt: skip
-    return calculate_metrics([record], duration_s=1.0, slos_ms={})
+    metrics = calculate_metrics([record], duration_s=1.0, slos_ms={})
+    if front_us is None:
+        return metrics
+    return dataclasses.replace(metrics, cpu_us_per_token={"front": front_us})
 
 
 # queue/direct TTFT per round: 0.2/0.1 = 2, 0.3/0.3 = 1, 0.1/0.2 = 0.5 -> median 1.
+# Front CPU per token: 60/30 = 2, 45/30 = 1.5, 40/40 = 1 -> median 1.5.
 ROUNDS = [
-    {"queue": mode(0.2, queued_ms=5), "direct": mode(0.1)},
-    {"queue": mode(0.3, queued_ms=9), "direct": mode(0.3)},
-    {"queue": mode(0.1, queued_ms=1), "direct": mode(0.2)},
+    {"queue": mode(0.2, queued_ms=5, front_us=60), "direct": mode(0.1, front_us=30)},
+    {"queue": mode(0.3, queued_ms=9, front_us=45), "direct": mode(0.3, front_us=30)},
+    {"queue": mode(0.1, queued_ms=1, front_us=40), "direct": mode(0.2, front_us=40)},
 ]
 
 
@@ -53,3 +62,12 @@ def test_the_table_and_the_json_carry_the_same_figures() -> None:
     assert report["ratios"]["queue/direct"]["TTFT p50 (ms)"]["values"] == pytest.approx(
         [2.0, 1.0, 0.5]
     )
+
+
+def test_the_front_processes_cpu_per_token_is_compared_round_by_round() -> None:
+    ratio = ratio_spreads(ROUNDS, "queue", "direct")["front CPU µs/token"]
+    assert ratio is not None
+    assert (ratio.median, ratio.low, ratio.high) == pytest.approx((1.5, 1.0, 2.0))
+    table = format_rounds(ROUNDS, ["queue", "direct"])
+    assert "45.0 [40.0-60.0]" in table and "1.50 [1.00-2.00]" in table
+    assert "redis CPU µs/token" not in table  # no run measured it

@@ -423,6 +423,7 @@ async def stream_answer(
         finish_reason="abort" if generation.params else "length",
     )
     last_tokens_s: float | None = None
+    tally = metrics.token_tally()
     # The adapter only when there is one: a stand-in engine (bench/simulate.py) takes none.
     adapter = {"lora_request": lora_request} if lora_request is not None else {}
     outputs = (
@@ -431,28 +432,46 @@ async def stream_answer(
         if generation.params
         else _nothing()
     )  # fmt: skip
+    answered = False  # whether the engine sent any output (a grammar error comes before)
     # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
-    async with contextlib.aclosing(_refusing_invalid(outputs, request)) as outputs:
-        async for output in outputs:
-            completion = output.outputs[0]
-            if completion.token_ids:
-                now_s = time.time()
-                answer.first_token_s = answer.first_token_s or now_s
-                gap_s = None if last_tokens_s is None else now_s - last_tokens_s
-                metrics.tokens_arrived(labels, len(completion.token_ids), gap_s=gap_s,
-                                       since_enqueue_s=now_s - enqueued_s)  # fmt: skip
-                last_tokens_s = now_s
-            answer.completion_tokens = generated_tokens(output, answer.completion_tokens)
-            if answer.logprobs is not None:
-                answer.logprobs += token_logprobs(
-                    completion.token_ids, completion.logprobs, request.top_logprobs or 0
-                )
-            text = reader.feed(splitter.feed(completion.text))
-            answer.parts.append(text)
-            await publisher.publish_text(text)
-            _refuse_if_unheard(publisher, settings)
-            if output.finished:
-                answer.finish_reason = completion.finish_reason or answer.finish_reason
+    try:
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                answered = True
+                completion = output.outputs[0]
+                if completion.token_ids:
+                    now_s = time.time()
+                    if last_tokens_s is None:
+                        answer.first_token_s = now_s
+                        metrics.first_token(labels, since_enqueue_s=now_s - enqueued_s)
+                        gap_s = None
+                    else:
+                        gap_s = now_s - last_tokens_s
+                    tally.add(len(completion.token_ids), gap_s=gap_s, now_s=now_s)
+                    last_tokens_s = now_s
+                answer.completion_tokens = generated_tokens(output, answer.completion_tokens)
+                if answer.logprobs is not None:
+                    answer.logprobs += token_logprobs(
+                        completion.token_ids, completion.logprobs, request.top_logprobs or 0
+                    )
+                text = reader.feed(splitter.feed(completion.text))
+                answer.parts.append(text)
+                await publisher.publish_text(text)
+                _refuse_if_unheard(publisher, settings)
+                if output.finished:
+                    answer.finish_reason = completion.finish_reason or answer.finish_reason
+    except VLLMValidationError as error:
+        if answered:
+            raise
+        # A grammar vLLM cannot compile (it checks when the request is added, before the
+        # first output) is the request's fault: invalid_request naming the field. Caught
+        # here, not by a generator around the engine's: that one cost every output.
+        raise JobRefused(
+            ErrorCode.INVALID_REQUEST,
+            f"invalid request: {constraint_field(request)}: {grammar_problem(error)}",
+        ) from None
+    finally:  # the tokens counted so far reach the metrics, however the job ends
+        tally.flush()
     held_back, tool_calls = reader.finish()
     if held_back:
         answer.parts.append(held_back)
@@ -539,23 +558,3 @@ async def _nothing() -> AsyncGenerator[RequestOutput, None]:
     """No outputs: a continued answer that had already used its max_tokens."""
     return
     yield
-
-
-async def _refusing_invalid(
-    outputs: AsyncGenerator[RequestOutput, None], request: ChatRequest
-) -> AsyncGenerator[RequestOutput, None]:
-    """The engine's outputs; a grammar vLLM cannot compile (it checks when the request is
-    added, before the first output) becomes an invalid_request naming the field."""
-    async with contextlib.aclosing(outputs):
-        try:
-            first = await anext(outputs)
-        except StopAsyncIteration:
-            return
-        except VLLMValidationError as error:
-            raise JobRefused(
-                ErrorCode.INVALID_REQUEST,
-                f"invalid request: {constraint_field(request)}: {grammar_problem(error)}",
-            ) from None
-        yield first
-        async for output in outputs:
-            yield output

@@ -140,20 +140,22 @@ class AnswerReader:
     def __init__(self, request: ChatRequest, tokenizer: Any) -> None:
         self._request = request
         self._tokenizer = tokenizer
-        self._auto = request.tools_offered and not request.forces_tool_call
-        self._text: list[str] = []
+        # Read once: feed runs for every engine output (a token each, by default).
+        self._forced = request.forces_tool_call
+        self._auto = request.tools_offered and not self._forced
+        self._text: list[str] = []  # kept only where finish parses it
         self._sent = 0  # characters of the answer streamed as content
-        json_answer = request.json_format is not None or request.forces_tool_call
+        json_answer = request.json_format is not None or self._forced
         self._escaper = JsonStringEscaper() if json_answer else None
 
     def feed(self, text: str) -> str:
         if self._escaper is not None:
             text = self._escaper.feed(text)
-        self._text.append(text)
-        if self._request.forces_tool_call:
-            return ""
-        if not self._auto:
+        if not (self._auto or self._forced):
             return text
+        self._text.append(text)
+        if self._forced:
+            return ""
         answer = "".join(self._text)
         start = answer.find(TOOL_CALL_OPEN)
         if start < 0:  # keep back a tail that could be the start of the tag
@@ -164,8 +166,8 @@ class AnswerReader:
     def finish(self) -> tuple[str, list[ToolCall] | None]:
         """(content still to stream, the calls or None)."""
         answer = "".join(self._text)
-        if self._request.forces_tool_call:
-            return "", self._forced(answer)
+        if self._forced:
+            return "", self._parse_forced(answer)
         if not self._auto:
             return "", None
         extracted = Hermes2ProToolParser(self._tokenizer).extract_tool_calls(answer, None)
@@ -174,7 +176,7 @@ class AnswerReader:
             return "", [_call(call.function.name, call.function.arguments) for call in calls]
         return answer[self._sent :], None
 
-    def _forced(self, answer: str) -> list[ToolCall] | None:
+    def _parse_forced(self, answer: str) -> list[ToolCall] | None:
         # Held to the schema, the answer fails to parse only when max_tokens cut it short.
         choice = self._request.tool_choice
         try:
