@@ -162,8 +162,12 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
         )
-        wait_for_port(self.port, timeout_s=10)
-        wait_until_loaded(self.port, timeout_s=30)
+        try:
+            wait_for_port(self.port, timeout_s=10)
+            wait_until_loaded(self.port, timeout_s=30)
+        except BaseException:  # not left running behind a start that failed
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
