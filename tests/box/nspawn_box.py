@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BOOT_TIMEOUT_S = 120.0
+BOOT_TIMEOUT_S = 300.0  # two containers may boot at once beside engines on 2 cores
 POWEROFF_TIMEOUT_S = 120.0
 # The PATH a systemd service gets.
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
