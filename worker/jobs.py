@@ -33,7 +33,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
-from edgeq.core.leases import expire_leases, mark_engine_failures
+from edgeq.core.leases import hand_over_after_engine_failure
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
@@ -204,8 +204,7 @@ async def _hand_over_from_dead_engine(state: WorkerState, job_id: str) -> None:
     state.running.pop(job_id, None)  # no renewal after the expiry below
     state.not_finished_here.add(job_id)  # its records stay for the next run
     with contextlib.suppress(*REDIS_ERRORS):  # else its lease runs out by itself
-        await mark_engine_failures(state.redis, [job_id])
-        await expire_leases(state.redis, state.settings.queue, [job_id])
+        await hand_over_after_engine_failure(state.redis, state.settings.queue, [job_id])
 
 
 async def _fail(publisher: StreamPublisher, ending: Ending) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import structlog
 
 from edgeq.core.connection import REDIS_ERRORS
-from edgeq.core.leases import expire_leases, mark_engine_failures
+from edgeq.core.leases import hand_over_after_engine_failure
 from edgeq.core.registry import remove_worker
 from edgeq.exit_codes import EXIT_ENGINE_STALLED
 from edgeq.worker.notify import notify
@@ -136,10 +136,9 @@ async def end_stalled_worker(state: WorkerState, *, worker_id: str) -> None:
     notify("STATUS=ending: the engine stalled; its jobs are handed over")
     with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
         async with asyncio.timeout(EXIT_REDIS_TIMEOUT_S):
-            # Counted on each job first: a job at two engine failures is quarantined, not
-            # continued (a poison job, core/leases.py).
-            await mark_engine_failures(state.redis, list(state.running))
-            await expire_leases(state.redis, settings.queue, list(state.running))
+            # A job at its second engine failure is quarantined, not continued (a poison
+            # job, core/leases.py).
+            await hand_over_after_engine_failure(state.redis, settings.queue, list(state.running))
             await remove_worker(state.redis, settings.queue, worker_id)
     # Blocking the event loop on purpose, from here to the exit: once the engine is gone its
     # jobs would see it dead and end with `engine_error` (and the worker drain, which ends the

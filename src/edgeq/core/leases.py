@@ -97,6 +97,15 @@ async def mark_engine_failures(redis: Redis, job_ids: list[str]) -> None:
             await pipe.execute()
 
 
+async def hand_over_after_engine_failure(redis: Redis, queue: str, job_ids: list[str]) -> None:
+    """Jobs whose engine died or stalled: the failure counted on each, then their leases let
+    run out now, so the next keep-alive round of any worker hands them over (or quarantines
+    one at its second failure). Counted first: a hand-over must never see the lease run out
+    before the count that decides it."""
+    await mark_engine_failures(redis, job_ids)
+    await expire_leases(redis, queue, job_ids)
+
+
 async def engine_failures(redis: Redis, job_id: str) -> int:
     """How many engine failures the job was running at."""
     return int(await redis.get(engine_failures_key(job_id)) or 0)
