@@ -56,8 +56,9 @@ async def test_a_slowed_link_delays_each_round_trip_by_its_delay_each_way(link: 
         again = await timed_ping(redis)
     finally:
         await redis.aclose()
-    assert fast < 0.1 and again < 0.1
-    assert 0.4 <= slow < 1.5
+    # Only the lower bound is exact (0.2 s each way); a loaded machine adds to any round trip.
+    assert 0.4 <= slow < 3
+    assert fast < 0.4 and again < 0.4  # neither waited out the delay
 
 
 async def test_a_stall_holds_every_connection_and_healing_resets_the_old_ones(
@@ -84,7 +85,8 @@ async def test_a_stall_holds_every_connection_and_healing_resets_the_old_ones(
         except ConnectionResetError:
             pass
         fresh = through(link)
-        assert await timed_ping(fresh) < 0.5  # a fresh connection gets through
+        async with asyncio.timeout(5):  # a fresh connection gets through, not hangs
+            assert await fresh.ping()
         await fresh.aclose()
     finally:
         writer.close()
