@@ -21,7 +21,7 @@ from edgeq.core.keys import (
     tenancy_key,
     tenant_of_key,
 )
-from edgeq.core.scripts import lua_script
+from edgeq.core.scripts import lua_script, registered
 from edgeq.worker.arq_seam import (
     ARQ_ABORT_SET,
     IN_PROGRESS_KEY_PREFIX,
@@ -70,7 +70,7 @@ async def claim_due_jobs(
     and its payload read as arq's ``run_job`` would; the fair-queuing clocks and aging move on
     (core/scheduling.py). ``abort_set``: where aborts of queued jobs wait (arq's, or the
     queue's own on a cluster)."""
-    claim = redis.register_script(_CLAIM)
+    claim = registered(redis, _CLAIM)
     claimed = await claim(
         keys=[
             queue,
