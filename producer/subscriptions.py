@@ -11,6 +11,14 @@ queue: from then on every event reaches the connection live, so one read of the 
 at that moment catches whatever was published before (``ChatJob``); a gap seen later is
 filled the same way. After a dropped connection redis-py subscribes again to every channel
 (and each confirmation brings a ``REPLAY``); the reader also puts one on every queue itself.
+
+Only the reader task reads the connection. redis-py breaks that rule once: a SUBSCRIBE sent
+while the connection is subscribed to nothing first checks the connection's health, a PING
+whose answer it reads itself, if the health-check interval has passed since the last read.
+With the reader waiting on the same socket, that read fails ("read() called while another
+coroutine is already waiting"), and so did the submit, after an event loop blocked longer
+than the interval between two streams. The connection therefore stays subscribed to one
+channel nobody publishes on (``SUBSCRIPTIONS_ANCHOR_CHANNEL``), from its first SUBSCRIBE on.
 """
 
 from __future__ import annotations
@@ -23,13 +31,15 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from edgeq.core.connection import REDIS_ERRORS
-from edgeq.core.keys import stream_channel
+from edgeq.core.keys import SUBSCRIPTIONS_ANCHOR_CHANNEL, stream_channel
 from edgeq.core.tasks import cancel_and_wait
 
 #: Put on a job's queue when its subscription took effect, or came back after an outage:
 #: events published before may have been missed, the replay stream has them. (An event is
 #: never empty.)
 REPLAY: Final = b""
+
+ANCHOR_CHANNEL: Final = SUBSCRIPTIONS_ANCHOR_CHANNEL.encode()
 
 
 class StreamSubscriptions:
@@ -84,9 +94,13 @@ class StreamSubscriptions:
     async def _send_subscribes(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
+            channels = [channel for channel, _ in batch]
             try:
                 async with self._writing:
-                    await self._connected().subscribe(*(channel for channel, _ in batch))
+                    pubsub = self._connected()
+                    if not pubsub.subscribed:  # the first SUBSCRIBE, or one that failed
+                        channels.append(ANCHOR_CHANNEL)
+                    await pubsub.subscribe(*channels)
             except BaseException as error:  # each waiting submit learns what happened
                 for _, sent in batch:
                     if not sent.done():

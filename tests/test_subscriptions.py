@@ -15,8 +15,10 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from edgeq.core import connection as connection_module
 from edgeq.core.errors import RedisUnavailable
 from edgeq.core.events import EventLog
+from edgeq.core.keys import stream_channel
 from edgeq.core.protocol import DeltaEvent, DoneEvent, StreamEvent, Timings, Usage
 from edgeq.producer import client as client_module
 from edgeq.producer.client import ChatClient, ChatJob
@@ -163,7 +165,7 @@ async def test_a_submit_cancelled_before_its_subscribe_went_out_leaves_no_subscr
     await asyncio.sleep(0.3)
     name = named_client.connection_name  # type: ignore[attr-defined]
     subscribed = [int(client["sub"]) for client in await pubsub_connections(redis, name)]
-    assert subscribed == [1], subscribed  # the first job's channel only
+    assert subscribed == [2], subscribed  # the first job's channel only, and the anchor
     assert await redis.zcard(named_client.settings.queue) == 1  # the second never enqueued
     await job.aclose()
     await named_client.redis.delete(named_client.settings.queue)
@@ -311,3 +313,29 @@ async def test_a_reader_cancelled_as_its_next_event_arrives_stops(named_client: 
         await asyncio.gather(reader, return_exceptions=True)
     assert reader.cancelled()
     await named_client.redis.delete(named_client.settings.queue)
+
+
+async def test_a_submit_after_the_loop_stalled_between_two_streams_is_subscribed(
+    redis_server: RedisServer, redis: Redis, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that followed nothing while its event loop was blocked for longer than the
+    health-check interval (a producer's CPU-bound step) submits again. redis-py checks the
+    connection's health before that SUBSCRIBE and reads the answer itself, beside the reader
+    task waiting on the same socket; the submit failed with "read() called while another
+    coroutine is already waiting" (producer/subscriptions.py)."""
+    monkeypatch.setattr(connection_module, "REDIS_HEALTH_CHECK_INTERVAL_S", 1)
+    worker_side = EventLog(redis, replay_ttl_s=60)
+    async with ChatClient(redis_url=redis_server.url, queue=queue, max_queue=0) as client:
+        first = await client.submit("before", max_tokens=4)
+        await worker_side.append(done(first.job_id))
+        assert_intact(await asyncio.wait_for(collect(first), timeout=10), first.job_id)
+        channel = stream_channel(first.job_id)
+        async with asyncio.timeout(10):  # its UNSUBSCRIBE taken: the client follows nothing
+            while dict(await redis.pubsub_numsub(channel))[channel.encode()]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # and the reader has read Redis's confirmation of it
+        time.sleep(1.5)  # noqa: ASYNC251 (the stall is the point)
+        second = await client.submit("after", max_tokens=4)
+        await worker_side.append(done(second.job_id))
+        assert_intact(await asyncio.wait_for(collect(second), timeout=10), second.job_id)
+        await client.redis.delete(queue)

@@ -79,6 +79,10 @@ from arq.constants import (
 from edgeq.core.cluster import hash_tag
 
 STREAM_CHANNEL_PREFIX = "edgeq:stream:"
+#: A channel nobody publishes on. A client's pub/sub connection subscribes to it with its
+#: first stream and never leaves it (producer/subscriptions.py), so the connection is never
+#: "subscribed to nothing" between two streams.
+SUBSCRIPTIONS_ANCHOR_CHANNEL = "edgeq:stream-anchor"
 #: Outcome tallies are counted per minute.
 OUTCOME_BUCKET_S = 60
 
