@@ -5,7 +5,7 @@ counted and observed on its own (what the worker did before, and what the README
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from edgeq.worker.metrics import TALLY_FLUSH_S, TOKEN_GAP_BUCKETS_S, WorkerMetrics
 
@@ -14,21 +14,27 @@ OUTPUTS = [(3, None), (1, 0.004), (2, 0.03), (1, 0.0), (4, 0.9), (1, 100.0), (1,
 
 
 def observed_one_by_one() -> CollectorRegistry:
-    """Each token counted and its gap observed on its own."""
+    """Each token counted and its gap observed on its own, by prometheus_client's own Counter
+    and Histogram under the worker's names."""
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry)
+    tokens = Counter("edgeq:generation_tokens", "Tokens generated.", registry=registry)
+    gaps_s = Histogram(
+        "edgeq:inter_token_latency_seconds", "gaps", buckets=TOKEN_GAP_BUCKETS_S, registry=registry
+    )
     for count, gap_s in OUTPUTS:
-        metrics.generation_tokens.inc(count)
+        tokens.inc(count)
         gaps = [0.0] * (count - 1) if gap_s is None else [gap_s / count] * count
         for gap in gaps:
-            metrics.inter_token_latency.observe(gap)
+            gaps_s.observe(gap)
     return registry
 
 
 def page(registry: CollectorRegistry) -> dict[str, float]:
     samples = {}
     for line in generate_latest(registry).decode().splitlines():
-        if line.startswith(("edgeq:inter_token_latency", "edgeq:generation_tokens")):
+        # `_created` aside: the worker turns those series off (serve_metrics).
+        names = ("edgeq:inter_token_latency", "edgeq:generation_tokens")
+        if line.startswith(names) and "_created" not in line:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
@@ -57,3 +63,20 @@ def test_a_tally_adds_what_it_counted_once_the_flush_interval_is_up() -> None:
     tally.add(1, gap_s=0.01, now_s=100.0 + 2 * TALLY_FLUSH_S)
     assert page(registry)["edgeq:generation_tokens_total"] == 4
     assert page(registry)["edgeq:inter_token_latency_seconds_count"] == 3
+
+
+def test_observations_one_at_a_time_read_as_prometheus_clients_histogram() -> None:
+    """``observe`` (a single gap, the edges of each bucket included) lands where
+    prometheus_client's ``Histogram.observe`` puts it."""
+    values = [0.0, *TOKEN_GAP_BUCKETS_S, 0.0011, 79.9, 80.5, 1e6]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    gaps = WorkerMetrics(ours).inter_token_latency
+    reference = Histogram(
+        "edgeq:inter_token_latency_seconds", "gaps", buckets=TOKEN_GAP_BUCKETS_S, registry=theirs
+    )
+    for value in values:
+        gaps.observe(value)
+        reference.observe(value)
+    got = {name: value for name, value in page(ours).items() if "inter_token" in name}
+    assert got == pytest.approx(page(theirs))
+    assert got["edgeq:inter_token_latency_seconds_count"] == len(values)

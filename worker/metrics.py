@@ -13,8 +13,10 @@ README's "Metrics" section lists every ``edgeq:*`` metric with a sample scrape.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 from prometheus_client import (
@@ -25,7 +27,10 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from edgeq.core.errors import ConfigError
 from edgeq.core.protocol import ChatRequest
@@ -82,7 +87,7 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = BulkHistogram(
             "edgeq:inter_token_latency_seconds",
             "Time between successive tokens of an answer (one observation per token after "
             "the first; tokens that arrive together share the gap).",
@@ -228,21 +233,60 @@ class TokenTally:
         if not self._tokens:
             return
         self._metrics.generation_tokens.inc(self._tokens)
-        add_observations(self._metrics.inter_token_latency, self._gap_counts, self._gap_sum)
+        self._metrics.inter_token_latency.add(self._gap_counts, self._gap_sum)
         self._tokens = 0
         self._gap_counts = [0] * len(self._gap_counts)
         self._gap_sum = 0.0
 
 
-def add_observations(histogram: Histogram, counts: list[int], total: float) -> None:
-    """Add ``counts[i]`` observations to bucket ``i`` of an unlabelled histogram, and
-    ``total`` to its sum: ``observe`` once per value, in one go. prometheus_client has no
-    public call for it; tests/test_metrics_tally.py checks the page reads as with ``observe``."""
-    buckets = histogram._buckets
-    for index, count in enumerate(counts):
-        if count:
-            buckets[index].inc(count)
-    histogram._sum.inc(total)
+class BulkHistogram(Collector):
+    """An unlabelled histogram that also takes many observations in one call (``add``), which
+    prometheus_client's Histogram has no public call for. It reads on the page as that
+    Histogram does (the ``_created`` sample aside, which serve_metrics turns off): checked by
+    tests/test_metrics_tally.py. The lock is taken once per call, against a scrape's thread."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = tuple(buckets)
+        self._counts = [0] * (len(self._bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        counts = [0] * len(self._counts)
+        counts[bisect_left(self._bounds, value)] = 1  # the first bound at or above it
+        self.add(counts, value)
+
+    def add(self, counts: Sequence[int], total: float) -> None:
+        """``counts[i]`` observations in bucket ``i`` (the last one +Inf), ``total`` their sum."""
+        with self._lock:
+            for index, count in enumerate(counts):
+                self._counts[index] += count
+            self._sum += total
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            cumulative = list(accumulate(self._counts))
+            total = self._sum
+        bounds = [*map(floatToGoString, self._bounds), "+Inf"]
+        yield HistogramMetricFamily(
+            self._name,
+            self._documentation,
+            buckets=list(zip(bounds, cumulative, strict=True)),
+            sum_value=total,
+        )
 
 
 def serve_metrics(host: str, port: int) -> None:
