@@ -335,8 +335,14 @@ class SentinelServer:
 # --- Redis Cluster -----------------------------------------------------------------------------
 
 CLUSTER_START_TIMEOUT_S = 30.0
-# Short, so a forced failover is agreed on quickly; long enough for a loaded 2-core machine.
-CLUSTER_NODE_TIMEOUT_MS = 5000
+# How long a node may not answer before the others fail it over themselves. No test waits for
+# that (failovers here are asked for: CLUSTER FAILOVER); a shorter one let a node starved by a
+# loaded 2-core machine be failed over and come back as a replica still resyncing when a test
+# wanted a replica in sync (a clean-clone run, 5 s).
+CLUSTER_NODE_TIMEOUT_MS = 15_000
+# A replica in sync, and a failover agreed: after a failover the cluster made itself, the
+# primaries refuse their vote to another replica of the same primary for twice the node timeout.
+CLUSTER_FAILOVER_TIMEOUT_S = 2 * CLUSTER_NODE_TIMEOUT_MS / 1000 + 30
 # Redis abandons a manual failover the replica could not finish after 5 s (CLUSTER_MF_TIMEOUT).
 MANUAL_FAILOVER_TIMEOUT_S = 6.0
 
@@ -394,6 +400,7 @@ class LocalCluster:
                             *("--cluster-config-file", f"nodes-{port}.conf"),
                             *("--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)),
                             *("--save", "", "--appendonly", "no"),
+                            *("--logfile", str(self.directory / f"redis-{port}.log")),
                         ],
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.STDOUT,
@@ -468,7 +475,7 @@ class LocalCluster:
         ``CLUSTER_NODE_TIMEOUT_MS``, which the cluster fails over itself and which comes back
         as a replica that must resync. Replicas are also in their first sync for ~5 s after
         ``start`` (the cluster says ok before)."""
-        deadline = time.monotonic() + CLUSTER_START_TIMEOUT_S
+        deadline = time.monotonic() + CLUSTER_FAILOVER_TIMEOUT_S
         while True:
             self.wait_until_ok()
             primary = self.owner(slot)
@@ -476,14 +483,19 @@ class LocalCluster:
             if replicas:
                 return primary, replicas[0]
             if time.monotonic() > deadline:
-                raise TimeoutError(f"slot {slot}'s primary :{primary} has no replica in sync")
+                with self.node(primary) as node:
+                    replication = node.info("replication")
+                raise TimeoutError(
+                    f"slot {slot}'s primary :{primary} has no replica in sync: {replication}; "
+                    f"the nodes' logs are in {self.directory}"
+                )
             time.sleep(0.1)
 
     def fail_over(self, slot: int) -> tuple[int, int]:
         """Promote the replica of ``slot``'s primary (``CLUSTER FAILOVER``, no writes lost);
         (old primary, new primary) once every node agrees."""
         old, new = self._primary_with_a_replica(slot)
-        deadline = time.monotonic() + CLUSTER_START_TIMEOUT_S
+        deadline = time.monotonic() + CLUSTER_FAILOVER_TIMEOUT_S
         while self.owner(slot) != new:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the replica :{new} did not take over slot {slot}")
