@@ -28,7 +28,7 @@ from prometheus_client import (
 from prometheus_client.exposition import start_http_server
 
 from edgeq.core.errors import ConfigError
-from edgeq.core.protocol import ChatRequest
+from edgeq.core.protocol import ChatRequest, ErrorCode, Usage
 from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py) with finer low ends: a 0.6B model on a GPU
@@ -50,6 +50,11 @@ REQUEST_BUCKETS_S = (
 #: The tenant label of a tenant the worker's settings do not name: labels stay a bounded set.
 OTHER_TENANT = "other"
 
+
+#: The outcomes a tenant's requests are labelled with: done, or an error code of the fixed set.
+OUTCOMES = frozenset({"done", *(code.value for code in ErrorCode)})
+#: The outcome label of a code outside that set.
+OTHER_OUTCOME = "other"
 
 #: The adapter label of a job answered by the base model.
 BASE_ADAPTER = "base"
@@ -127,6 +132,21 @@ class WorkerMetrics:
             ["tenant"],
             registry=registry,
         )
+        # The usage ledger's view on this worker (core/ledger.py): counted once per job, at
+        # its end, so a token costs nothing here.
+        self.tenant_requests = Counter(
+            "edgeq:tenant_requests",
+            "Jobs this worker ended, by tenant and outcome: done, or the error code.",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.tenant_tokens = Counter(
+            "edgeq:tenant_tokens",
+            "Tokens of the jobs this worker ended with done, by tenant and kind (prompt, "
+            "completion; a continued job's whole answer), added once at each job's end.",
+            ["tenant", "kind"],
+            registry=registry,
+        )
 
         self.engine_stalls = Counter(
             "edgeq:engine_stalls",
@@ -181,6 +201,17 @@ class WorkerMetrics:
         self.requests.labels(outcome=outcome).inc()
         if e2e_s is not None:
             self.e2e_latency.observe(e2e_s)
+
+    def tenant_job_ended(self, tenant: str, outcome: str, usage: Usage | None) -> None:
+        """A job of ``tenant`` ended here with ``outcome`` (and, done, its ``usage``)."""
+        label = self.tenant_label(tenant)
+        shown = outcome if outcome in OUTCOMES else OTHER_OUTCOME
+        self.tenant_requests.labels(tenant=label, outcome=shown).inc()
+        if usage is not None:
+            self.tenant_tokens.labels(tenant=label, kind="prompt").inc(usage.prompt_tokens)
+            self.tenant_tokens.labels(tenant=label, kind="completion").inc(
+                usage.completion_tokens
+            )
 
 
 #: A job's tokens reach the counters at most this late (a scrape comes every few seconds).

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeq.core.protocol import JOB_FUNCTION, json_default
-from edgeq.core.scheduling import DEFAULT_TENANT, TENANT_PATTERN
+from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT, PRIORITIES, TENANT_PATTERN
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,13 @@ class JobPayload:
         if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant):
             return tenant
         return DEFAULT_TENANT
+
+    @property
+    def priority(self) -> str:
+        """The class the job was submitted in, read before validation (for its usage ledger
+        and metrics); a request without a valid one counts to the default class."""
+        priority = self.request.get("priority") if isinstance(self.request, dict) else None
+        return priority if priority in PRIORITIES else DEFAULT_PRIORITY
 
     def __repr__(self) -> str:
         # Whatever logs the job's arguments, a prompt must never reach the log that way.
