@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from edgeq.core.errors import StreamClosed
@@ -22,6 +23,7 @@ from edgeq.core.keys import usage_key, usage_tenants_key
 from edgeq.core.ledger import LedgerScope, read_usage, rows_of, usage_day
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.testing.processes import RedisServer
+from edgeq.worker.metrics import WorkerMetrics
 
 KEEP_S = 7 * 86_400
 
@@ -136,3 +138,21 @@ async def test_the_cli_prints_json_and_csv(
     assert (line["tenant"], line["class"], line["completion_tokens"]) == ("team-b", "default", "2")
     table = usage_cli(redis_server.url, queue)
     assert "team-a" in table and "cancelled=1" in table
+
+
+def test_the_tenant_counters_keep_their_labels_bounded() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, tenants=["support"])
+    metrics.tenant_job_ended("support", "done", Usage(prompt_tokens=7, completion_tokens=3))
+    metrics.tenant_job_ended("someone-else", "not-a-code", None)
+    metrics.tenant_job_ended("someone-else", "timeout", None)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("edgeq:tenant_requests_total", tenant="support", outcome="done") == 1
+    assert value("edgeq:tenant_tokens_total", tenant="support", kind="prompt") == 7
+    assert value("edgeq:tenant_tokens_total", tenant="support", kind="completion") == 3
+    assert value("edgeq:tenant_requests_total", tenant="other", outcome="other") == 1
+    assert value("edgeq:tenant_requests_total", tenant="other", outcome="timeout") == 1
+    assert value("edgeq:tenant_tokens_total", tenant="other", kind="prompt") is None
