@@ -24,6 +24,7 @@ from edgeq.core.ledger import LedgerScope, read_usage, rows_of, usage_day
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.testing.processes import RedisServer
 from edgeq.worker.metrics import WorkerMetrics
+from edgeq.worker.wire import JobPayload
 
 KEEP_S = 7 * 86_400
 
@@ -105,6 +106,13 @@ def test_a_model_name_with_the_separator_reads_back() -> None:
     assert (row.model, row.priority, row.requests, row.errors) == (
         "odd|model|name", "default", 2, {"timeout": 1}
     )
+
+
+@pytest.mark.parametrize("tenant", ["team\n", "a:b", "a|b", "", " x", "x" * 65, 7])
+def test_a_payloads_odd_tenant_counts_to_the_default_tenant(tenant: object) -> None:
+    payload = JobPayload({"tenant": tenant, "priority": ["batch"]}, None, 10)
+    assert (payload.tenant, payload.priority) == ("default", "default")
+    assert JobPayload({"tenant": "ok.team-1", "priority": "batch"}, None, 10).priority == "batch"
 
 
 def usage_cli(redis_url: str, queue: str, *args: str) -> str:

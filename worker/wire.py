@@ -32,7 +32,9 @@ class JobPayload:
         """The tenant the job counts to, read before validation (for counting it while it
         runs); a request without a valid one counts to the default tenant."""
         tenant = self.request.get("tenant") if isinstance(self.request, dict) else None
-        if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant):
+        # fullmatch: re.match's "$" also matches before a last newline, and "team\n" would
+        # then name a Redis key (the usage ledger's) and a metric label.
+        if isinstance(tenant, str) and re.fullmatch(TENANT_PATTERN, tenant):
             return tenant
         return DEFAULT_TENANT
 
