@@ -60,6 +60,25 @@ OTHER_OUTCOME = "other"
 BASE_ADAPTER = "base"
 
 
+def tenant_usage_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """The usage ledger's view on one worker (core/ledger.py): jobs by tenant and outcome,
+    tokens by tenant and kind, both counted once per job at its end (a token costs nothing)."""
+    requests = Counter(
+        "edgeq:tenant_requests",
+        "Jobs this worker ended, by tenant and outcome: done, or the error code.",
+        ["tenant", "outcome"],
+        registry=registry,
+    )
+    tokens = Counter(
+        "edgeq:tenant_tokens",
+        "Tokens of the jobs this worker ended with done, by tenant and kind (prompt, "
+        "completion; a continued job's whole answer), added once at each job's end.",
+        ["tenant", "kind"],
+        registry=registry,
+    )
+    return requests, tokens
+
+
 class JobLabels(NamedTuple):
     priority: str
     tenant: str
@@ -132,21 +151,7 @@ class WorkerMetrics:
             ["tenant"],
             registry=registry,
         )
-        # The usage ledger's view on this worker (core/ledger.py): counted once per job, at
-        # its end, so a token costs nothing here.
-        self.tenant_requests = Counter(
-            "edgeq:tenant_requests",
-            "Jobs this worker ended, by tenant and outcome: done, or the error code.",
-            ["tenant", "outcome"],
-            registry=registry,
-        )
-        self.tenant_tokens = Counter(
-            "edgeq:tenant_tokens",
-            "Tokens of the jobs this worker ended with done, by tenant and kind (prompt, "
-            "completion; a continued job's whole answer), added once at each job's end.",
-            ["tenant", "kind"],
-            registry=registry,
-        )
+        self.tenant_requests, self.tenant_tokens = tenant_usage_counters(registry)
 
         self.engine_stalls = Counter(
             "edgeq:engine_stalls",
