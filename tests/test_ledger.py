@@ -27,6 +27,13 @@ from edgeq.worker.metrics import WorkerMetrics
 from edgeq.worker.wire import JobPayload
 
 KEEP_S = 7 * 86_400
+#: The UTC day this module's tests began: with today's, what they read (a run across
+#: midnight writes on both).
+FIRST_DAY = usage_day(time.time())
+
+
+def days() -> list[str]:
+    return sorted({FIRST_DAY, usage_day(time.time())})
 
 
 def done(job_id: str, seq: int, *, prompt: int, completion: int, continued: int | None = None
@@ -53,8 +60,8 @@ async def test_a_terminal_event_counts_once_in_its_step(redis: Redis, queue: str
     await log.append_many(stream, at_seq=True, tenant="team-a", ledger=scope)
     # The reply was lost, say: the publisher sends the same events again at their seqs.
     await log.append_many(stream, at_seq=True, tenant="team-a", ledger=scope)
-    day = usage_day(time.time())
-    [row] = await read_usage(redis, queue, [day])
+    [row] = await read_usage(redis, queue, days())
+    day = row.day
     assert (row.tenant, row.model, row.priority) == ("team-a", "Qwen/Qwen3-0.6B", "interactive")
     assert (row.requests, row.done, row.prompt_tokens, row.completion_tokens) == (1, 1, 7, 3)
     assert (row.queue_ms, row.ttft_ms, row.ttft_jobs, row.continued, row.errors) == (
@@ -73,7 +80,7 @@ async def test_a_second_terminal_event_is_refused_and_not_counted(
     await log.append(ErrorEvent(job_id=job, seq=0, code="cancelled", message="by its client"))
     with pytest.raises(StreamClosed):
         await log.append_many([done(job, 1, prompt=5, completion=5)], at_seq=True, ledger=scope)
-    assert await read_usage(redis, queue, [usage_day(time.time())]) == []
+    assert await read_usage(redis, queue, days()) == []
     other = f"{queue}-other"
     await log.append_many(
         [ErrorEvent(job_id=other, seq=0, code="timeout", message="too long")],
@@ -83,7 +90,7 @@ async def test_a_second_terminal_event_is_refused_and_not_counted(
     await log.append_many(
         [done(f"{queue}-c", 0, prompt=4, completion=9, continued=1)], at_seq=True, ledger=scope
     )
-    [row] = await read_usage(redis, queue, [usage_day(time.time())], tenants=["team-b"])
+    [row] = await read_usage(redis, queue, days(), tenants=["team-b"])
     assert (row.requests, row.done, row.continued, row.errors) == (2, 1, 1, {"timeout": 1})
     assert (row.prompt_tokens, row.completion_tokens) == (4, 9)
 
@@ -95,7 +102,7 @@ async def test_a_writer_without_a_ledger_or_scope_counts_nothing(
     off = EventLog(redis, replay_ttl_s=60, queue=queue)  # EDGEQ_USAGE_KEEP_DAYS=0
     await off.append_many([done(f"{queue}-1", 0, prompt=1, completion=1)], ledger=scope)
     await ledger_log(redis, queue).append(done(f"{queue}-2", 0, prompt=1, completion=1))
-    assert await read_usage(redis, queue, [usage_day(time.time())]) == []
+    assert await read_usage(redis, queue, days()) == []
 
 
 def test_a_model_name_with_the_separator_reads_back() -> None:
@@ -134,17 +141,21 @@ async def test_the_cli_prints_json_and_csv(
         [ErrorEvent(job_id=f"{queue}-e", seq=0, code="cancelled", message="by its client")],
         ledger=LedgerScope("team-a", "tiny", "default"),
     )
-    today = usage_day(time.time())
-    rows = json.loads(usage_cli(redis_server.url, queue, "--format", "json"))
-    assert [(r["tenant"], r["day"], r["requests"], r["prompt_tokens"]) for r in rows] == [
-        ("team-a", today, 2, 10), ("team-b", today, 1, 20)
-    ]
-    assert rows[0]["errors"] == {"cancelled": 1}
+    first, last = days()[0], days()[-1]
+    rows = json.loads(
+        usage_cli(redis_server.url, queue, "--format", "json", "--from", first, "--to", last)
+    )
+    totals: dict[str, tuple[int, int]] = {}
+    for row in rows:  # one row each, or two for team-a if its writes straddled midnight
+        requests, prompt = totals.get(row["tenant"], (0, 0))
+        totals[row["tenant"]] = (requests + row["requests"], prompt + row["prompt_tokens"])
+    assert totals == {"team-a": (2, 10), "team-b": (1, 20)}
+    assert [row["errors"] for row in rows if row["errors"]] == [{"cancelled": 1}]
     text = usage_cli(redis_server.url, queue, "--format", "csv", "--tenant", "team-b",
-                     "--from", today, "--to", today)  # fmt: skip
+                     "--from", first, "--to", last)  # fmt: skip
     [line] = list(csv.DictReader(io.StringIO(text)))
     assert (line["tenant"], line["class"], line["completion_tokens"]) == ("team-b", "default", "2")
-    table = usage_cli(redis_server.url, queue)
+    table = usage_cli(redis_server.url, queue, "--from", first, "--to", last)
     assert "team-a" in table and "cancelled=1" in table
 
 
