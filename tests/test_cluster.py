@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +22,12 @@ import pytest
 import redis
 
 from edgeq.core.cluster import ClusterTarget, hash_tag, parse_cluster_url, queue_slot
+from edgeq.core.connection import make_redis
 from edgeq.core.errors import ConfigError, QueueFull
+from edgeq.core.events import EventLog
 from edgeq.core.keys import events_key, leases_key, new_job_id
-from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
+from edgeq.core.ledger import LedgerScope
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, Timings, Usage
 from edgeq.core.settings import ConnectionSettings, load_settings
 from edgeq.producer.client import ChatClient, ChatJob
 from edgeq.testing.processes import WorkerProcess
@@ -225,6 +229,37 @@ def test_two_queues_live_on_two_primaries(cluster: LocalCluster) -> None:
     with cluster.node(owner) as node:
         with pytest.raises(redis.ResponseError, match="MOVED"):
             node.zscore(other, job_id)
+
+
+def test_the_usage_ledger_lives_in_the_queues_slot(cluster: LocalCluster) -> None:
+    # The publish script's keys, the ledger's too, must share one slot, or the terminal
+    # event itself would fail (CROSSSLOT): the ledger's keys carry the queue's tag.
+    tenant = f"ledger-{uuid.uuid4().hex[:8]}"
+    job_id = new_job_id(QUEUE)
+
+    async def end_a_job() -> None:
+        settings = load_settings(ConnectionSettings, redis_url=cluster.url, queue=QUEUE)
+        redis_client = make_redis(settings)
+        try:
+            log = EventLog(redis_client, replay_ttl_s=60, queue=QUEUE, usage_keep_s=86_400)
+            done = DoneEvent(
+                job_id=job_id, seq=0, finish_reason="stop",
+                usage=Usage(prompt_tokens=5, completion_tokens=2),
+                timings=Timings(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0),
+            )  # fmt: skip
+            await log.append_many([done], ledger=LedgerScope(tenant, "tiny", "batch"))
+        finally:
+            await redis_client.aclose(close_connection_pool=True)
+
+    asyncio.run(end_a_job())
+    env = {**os.environ, "EDGEQ_REDIS_URL": cluster.url, "EDGEQ_QUEUE": QUEUE}
+    run = subprocess.run(
+        [*EDGEQ, "usage", "--tenant", tenant, "--format", "json"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    [row] = json.loads(run.stdout)
+    assert (row["tenant"], row["priority"], row["prompt_tokens"]) == (tenant, "batch", 5)
 
 
 @pytest.mark.engine

@@ -4,9 +4,12 @@ is tests/chaos/test_guarantees.py's, with a real worker)."""
 
 from __future__ import annotations
 
+import time
+
 from redis.asyncio import Redis
 
 from edgeq.core.events import EventLog, read_events
+from edgeq.core.ledger import LedgerScope, read_usage, usage_day
 from edgeq.core.protocol import DeltaEvent, DoneEvent, Timings, Usage
 from edgeq.testing.processes import RedisServer
 from edgeq.worker.refill import RecentFinishes
@@ -66,17 +69,19 @@ async def test_a_new_server_gets_every_kept_stream_and_record_again() -> None:
     server = RedisServer().start()  # its own: restarted below, empty, as without persistence
     try:
         async with Redis.from_url(server.url) as redis:
-            events = EventLog(redis, replay_ttl_s=60)
+            events = EventLog(redis, replay_ttl_s=60, queue="q", usage_keep_s=86_400)
             recent = RecentFinishes(events, window_s=3.0)
             job = "refill-test-job"
             kept = stream(job)
-            await events.append_many(kept, at_seq=True)
+            scope = LedgerScope("team-r", "tiny", "default")
+            first_day = usage_day(time.time())  # with today: a run across midnight
+            await events.append_many(kept, at_seq=True, tenant="team-r", ledger=scope)
             written: list[str] = []
 
             async def write() -> None:
                 written.append(job)
 
-            recent.keep_events(job, kept, tenant=None)
+            recent.keep_events(job, kept, tenant="team-r", ledger=scope)
             recent.keep_records(job, write)
             assert await recent.refill_if_restarted(redis) == 0  # the server that took them
             server.stop()
@@ -88,5 +93,8 @@ async def test_a_new_server_gets_every_kept_stream_and_record_again() -> None:
             assert written == [job]
             assert len(recent) == 0
             assert await recent.refill_if_restarted(redis) == 0  # nothing twice
+            # The ledger's count went with the done event Redis lost; written again with it.
+            [row] = await read_usage(redis, "q", sorted({first_day, usage_day(time.time())}))
+            assert (row.tenant, row.requests, row.prompt_tokens) == ("team-r", 1, 3)
     finally:
         server.stop()

@@ -301,7 +301,12 @@ def build_worker(
     settings: WorkerSettings, *, process_started: float, metrics: WorkerMetrics
 ) -> tuple[WorkerState, JobLoop]:
     redis = make_redis(settings, job_serializer=dump_json, job_deserializer=load_job)
-    events = EventLog(redis, replay_ttl_s=settings.replay_ttl_s, queue=settings.queue)
+    events = EventLog(
+        redis,
+        replay_ttl_s=settings.replay_ttl_s,
+        queue=settings.queue,
+        usage_keep_s=settings.usage_keep_s,
+    )
     state = WorkerState(
         settings=settings,
         redis=redis,

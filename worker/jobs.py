@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -34,6 +34,7 @@ from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
 from edgeq.core.leases import hand_over_after_engine_failure
+from edgeq.core.ledger import LedgerScope
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
@@ -123,10 +124,12 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         outage_limit_s=settings.redis_outage_s,
         earlier=earlier,
         tenant=payload.tenant,
+        ledger=LedgerScope(payload.tenant, settings.model, payload.priority),
     )
     state.running[job.job_id] = payload.tenant
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
+    usage: Usage | None = None
     try:
         async with asyncio.timeout(settings.job_timeout_s):
             result = await run_chat(
@@ -135,7 +138,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
                 adapters=state.adapters,
             )  # fmt: skip
         # The same clock reading as the done event's total_ms: metric and event agree.
-        outcome, e2e_s = "done", result.timings.total_ms / 1000
+        outcome, e2e_s, usage = "done", result.timings.total_ms / 1000, result.usage
         return result.model_dump(mode="json", exclude_none=True)
     except (Exception, asyncio.CancelledError) as error:
         ending = job_failure(error, settings, draining=state.draining.is_set())
@@ -146,8 +149,12 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         return failure
     finally:
         metrics.job_ended(outcome, e2e_s=e2e_s)
+        if job.job_id not in state.not_finished_here:  # else it ends (and counts) elsewhere
+            metrics.tenant_job_ended(payload.tenant, outcome, usage)
         if publisher.closed and job.job_id not in state.not_finished_here:
-            state.recent.keep_events(job.job_id, publisher.stored, payload.tenant)
+            state.recent.keep_events(
+                job.job_id, publisher.stored, payload.tenant, publisher.ledger
+            )
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take
         # (an outage at the job's end) in the queue and in progress for good (#34).
@@ -280,6 +287,8 @@ async def run_chat(
     # Not streamed: the text waits in the publisher until the end (worker/publisher.py).
     publisher.live = request.stream is not False
     adapter = job_adapter(request, settings)
+    if adapter is not None and publisher.ledger is not None:  # counted as the adapter's use
+        publisher.ledger = replace(publisher.ledger, model=adapter)
     # Entered before anything is rendered: a job this worker cannot serve is refused at once,
     # and an adapter in use is not unloaded under it (worker/adapters.py).
     with serving_adapter(adapters, adapter) as lora_request:

@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from edgeq.core.errors import ConfigError
-from edgeq.core.protocol import ChatRequest
+from edgeq.core.protocol import ChatRequest, ErrorCode, Usage
 from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py) with finer low ends: a 0.6B model on a GPU
@@ -56,8 +56,32 @@ REQUEST_BUCKETS_S = (
 OTHER_TENANT = "other"
 
 
+#: The outcomes a tenant's requests are labelled with: done, or an error code of the fixed set.
+OUTCOMES = frozenset({"done", *(code.value for code in ErrorCode)})
+#: The outcome label of a code outside that set.
+OTHER_OUTCOME = "other"
+
 #: The adapter label of a job answered by the base model.
 BASE_ADAPTER = "base"
+
+
+def tenant_usage_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """The usage ledger's view on one worker (core/ledger.py): jobs by tenant and outcome,
+    tokens by tenant and kind, both counted once per job at its end (a token costs nothing)."""
+    requests = Counter(
+        "edgeq:tenant_requests",
+        "Jobs this worker ended, by tenant and outcome: done, or the error code.",
+        ["tenant", "outcome"],
+        registry=registry,
+    )
+    tokens = Counter(
+        "edgeq:tenant_tokens",
+        "Tokens of the jobs this worker ended with done, by tenant and kind (prompt, "
+        "completion; a continued job's whole answer), added once at each job's end.",
+        ["tenant", "kind"],
+        registry=registry,
+    )
+    return requests, tokens
 
 
 class JobLabels(NamedTuple):
@@ -132,6 +156,7 @@ class WorkerMetrics:
             ["tenant"],
             registry=registry,
         )
+        self.tenant_requests, self.tenant_tokens = tenant_usage_counters(registry)
 
         self.engine_stalls = Counter(
             "edgeq:engine_stalls",
@@ -186,6 +211,17 @@ class WorkerMetrics:
         self.requests.labels(outcome=outcome).inc()
         if e2e_s is not None:
             self.e2e_latency.observe(e2e_s)
+
+    def tenant_job_ended(self, tenant: str, outcome: str, usage: Usage | None) -> None:
+        """A job of ``tenant`` ended here with ``outcome`` (and, done, its ``usage``)."""
+        label = self.tenant_label(tenant)
+        shown = outcome if outcome in OUTCOMES else OTHER_OUTCOME
+        self.tenant_requests.labels(tenant=label, outcome=shown).inc()
+        if usage is not None:
+            self.tenant_tokens.labels(tenant=label, kind="prompt").inc(usage.prompt_tokens)
+            self.tenant_tokens.labels(tenant=label, kind="completion").inc(
+                usage.completion_tokens
+            )
 
 
 #: A job's tokens reach the counters at most this late (a scrape comes every few seconds).

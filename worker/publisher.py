@@ -23,6 +23,7 @@ import structlog
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, EventLog, EventsLost, Published
+from edgeq.core.ledger import LedgerScope
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent
 
 __all__ = ["RedisAway", "StreamClosed", "StreamPublisher"]
@@ -48,10 +49,14 @@ class StreamPublisher:
         outage_limit_s: float = 10.0,
         earlier: list[AnyEvent] | None = None,
         tenant: str | None = None,
+        ledger: LedgerScope | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job_id = job_id
         self._tenant = tenant  # its terminal outcome is counted for this tenant too
+        # Where its terminal event is counted in the usage ledger (core/ledger.py); the job
+        # sets the model once it knows its adapter.
+        self.ledger = ledger
         self._log = log
         self._interval_s = interval_s
         self.live = live
@@ -125,7 +130,7 @@ class StreamPublisher:
         while True:
             try:
                 published = await self._log.append_many(
-                    self._unconfirmed, at_seq=True, tenant=self._tenant
+                    self._unconfirmed, at_seq=True, tenant=self._tenant, ledger=self.ledger
                 )
             except StreamClosed:
                 self.closed = True

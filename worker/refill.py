@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, EventLog, EventsLost
+from edgeq.core.ledger import LedgerScope
 
 log = structlog.get_logger("edgeq.refill")
 
@@ -41,6 +42,7 @@ class _Finished:
     at: float  # when the last of its writes was answered (time.monotonic)
     events: list[AnyEvent] = field(default_factory=list)
     tenant: str | None = None
+    ledger: LedgerScope | None = None
     records: RecordsWrite | None = None
 
 
@@ -66,11 +68,20 @@ class RecentFinishes:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep_events(self, job_id: str, events: list[AnyEvent], tenant: str | None) -> None:
-        """A job's whole stream (each event at its seq), once its terminal event is stored."""
+    def keep_events(
+        self,
+        job_id: str,
+        events: list[AnyEvent],
+        tenant: str | None,
+        ledger: LedgerScope | None = None,
+    ) -> None:
+        """A job's whole stream (each event at its seq), once its terminal event is stored.
+        ``ledger``: its scope, so a terminal event written again is counted again where Redis
+        lost it (the ledger's increment went with it, written in the same step)."""
         if self._window_s > 0 and events:
             kept = self._kept.setdefault(job_id, _Finished(self._clock()))
             kept.at, kept.events, kept.tenant = self._clock(), list(events), tenant
+            kept.ledger = ledger
 
     def keep_records(self, job_id: str, write: RecordsWrite) -> None:
         """The write of a job's records (worker/arq_seam.finish_job), once it was answered."""
@@ -104,7 +115,9 @@ class RecentFinishes:
     async def _write_again(self, job_id: str, kept: _Finished) -> None:
         if kept.events:
             try:
-                await self._events.append_many(kept.events, at_seq=True, tenant=kept.tenant)
+                await self._events.append_many(
+                    kept.events, at_seq=True, tenant=kept.tenant, ledger=kept.ledger
+                )
             except (StreamClosed, EventsLost) as refused:
                 # Someone ended or took the stream since (a cancel, a reaper, another run): it
                 # is theirs now; the records below still end this run's claim on the job.

@@ -190,6 +190,9 @@ class WorkerSettings(ConnectionSettings):
     engine_stall_exit_s: float = Field(30.0, gt=0)
     drain_timeout_s: float = Field(30.0, ge=0)
     keep_result_s: float = Field(60.0, ge=0)
+    # Days a tenant's usage ledger of one UTC day is kept after its last write (core/ledger.py,
+    # docs/usage.md); 0 writes no ledger.
+    usage_keep_days: int = Field(90, ge=0, le=3660)
     warmup: bool = True
     log_level: LogLevel = "info"
     log_content: bool = False
@@ -253,6 +256,11 @@ class WorkerSettings(ConnectionSettings):
         if self.adapters and self.enable_lora is False:
             raise ValueError("EDGEQ_ADAPTERS needs LoRA in the engine: EDGEQ_ENABLE_LORA is false")
         return self
+
+    @property
+    def usage_keep_s(self) -> int | None:
+        """EDGEQ_USAGE_KEEP_DAYS in seconds; None: no ledger is written."""
+        return self.usage_keep_days * 86_400 or None
 
     @property
     def lora(self) -> bool:

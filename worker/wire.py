@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgeq.core.protocol import JOB_FUNCTION, json_default
-from edgeq.core.scheduling import DEFAULT_TENANT, TENANT_PATTERN
+from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT, PRIORITIES, TENANT_PATTERN
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,18 @@ class JobPayload:
         """The tenant the job counts to, read before validation (for counting it while it
         runs); a request without a valid one counts to the default tenant."""
         tenant = self.request.get("tenant") if isinstance(self.request, dict) else None
-        if isinstance(tenant, str) and re.match(TENANT_PATTERN, tenant):
+        # fullmatch: re.match's "$" also matches before a last newline, and "team\n" would
+        # then name a Redis key (the usage ledger's) and a metric label.
+        if isinstance(tenant, str) and re.fullmatch(TENANT_PATTERN, tenant):
             return tenant
         return DEFAULT_TENANT
+
+    @property
+    def priority(self) -> str:
+        """The class the job was submitted in, read before validation (for its usage ledger
+        and metrics); a request without a valid one counts to the default class."""
+        priority = self.request.get("priority") if isinstance(self.request, dict) else None
+        return priority if priority in PRIORITIES else DEFAULT_PRIORITY
 
     def __repr__(self) -> str:
         # Whatever logs the job's arguments, a prompt must never reach the log that way.

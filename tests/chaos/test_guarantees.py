@@ -10,6 +10,7 @@ import pickle
 import signal
 import statistics
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,7 @@ from redis.asyncio import Redis
 from edgeq.core.errors import InvalidRequest, JobFailed, QueueFull, RedisUnavailable
 from edgeq.core.events import finished_with, read_events
 from edgeq.core.keys import events_key, in_progress_key, leases_key, result_key
+from edgeq.core.ledger import read_usage, usage_day
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent, load_json
 from edgeq.producer.client import ChatClient
 from edgeq.testing.engine_hold import EngineHold
@@ -262,6 +264,34 @@ def assert_whole(events: list[StreamEvent]) -> DoneEvent:
     return done
 
 
+async def assert_ledger_matches(
+    client: ChatClient, dones: dict[str, list[DoneEvent]], first_day: str
+) -> None:
+    """The usage ledger holds, per tenant, exactly what its chats' done events say: each job
+    once, a continued one once (by the run that ended it), its tokens as its event counts them."""
+    days = sorted({first_day, usage_day(time.time())})  # a run across midnight: both days
+    rows = await read_usage(client.redis, client.settings.queue, days, tenants=list(dones))
+    for tenant, events in dones.items():
+        mine = [row for row in rows if row.tenant == tenant]
+        counted = {
+            "requests": sum(row.requests for row in mine),
+            "done": sum(row.done for row in mine),
+            "continued": sum(row.continued for row in mine),
+            "prompt_tokens": sum(row.prompt_tokens for row in mine),
+            "completion_tokens": sum(row.completion_tokens for row in mine),
+            "errors": sum(sum(row.errors.values()) for row in mine),
+        }
+        assert counted == {
+            "requests": len(events),
+            "done": len(events),
+            "continued": sum(1 for done in events if done.continued),
+            "prompt_tokens": sum(done.usage.prompt_tokens for done in events),
+            "completion_tokens": sum(done.usage.completion_tokens for done in events),
+            "errors": 0,
+        }, tenant
+    assert sum(row.continued for row in rows) > 0  # the kill's continuations are in it
+
+
 async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
     tiny_model: Path, auth_redis: RedisServer, chaos_client: ChatClient, tmp_path: Path
 ) -> None:
@@ -273,6 +303,11 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
     hold = EngineHold(tmp_path / "hold")  # one file: both engines obey it
     workers = start_workers(tiny_model, url, tmp_path, "first", "second", **lease, **hold.env())
     replacement: WorkerProcess | None = None
+    # Two tenants of this run's own: the usage ledger (core/ledger.py) is checked against the
+    # done events of exactly these chats at the end, continued ones included.
+    tenants = [f"ledger-{uuid.uuid4().hex[:8]}-{n}" for n in (1, 2)]
+    first_day = usage_day(time.time())
+    dones: dict[str, list[DoneEvent]] = {tenant: [] for tenant in tenants}
     try:
         # Both engines stop once a chat has 8 tokens: no chat can end before the victim is
         # chosen, however slow this test process is. Slowing the engines and freezing them
@@ -280,7 +315,9 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         # ended (both workers "running none") by the time the freeze came.
         hold.arm(after_tokens=8)
         jobs = [
-            await chaos_client.submit(f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            await chaos_client.submit(
+                f"chat {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED, tenant=tenants[i % 2]
+            )
             for i in range(20)
         ]
         owners = await all_started(workers, {job.job_id for job in jobs})
@@ -317,8 +354,9 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
             timeout=120,
         )  # fmt: skip
         prefills = []
-        for job, events in zip(jobs, seen, strict=True):
+        for index, (job, events) in enumerate(zip(jobs, seen, strict=True)):
             done = assert_whole(events)
+            dones[tenants[index % 2]].append(done)
             if job.job_id in moved:
                 assert done.continued, done
                 # The continuing run's own start -> first token: its prefill.
@@ -342,7 +380,9 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         # before a freeze after their start could catch them.
         suspend_engine(survivor)
         later = [
-            await chaos_client.submit(f"alone {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED)
+            await chaos_client.submit(
+                f"alone {i}", max_tokens=LONG, seed=FULL_LENGTH_SEED, tenant=tenants[0]
+            )
             for i in range(3)
         ]
         later_ids = set(await all_started([survivor], {job.job_id for job in later}))
@@ -359,8 +399,10 @@ async def test_a_killed_workers_chats_are_continued_to_done_by_another_worker(
         )  # fmt: skip
         for job, events in zip(later, later_seen, strict=True):
             done = assert_whole(events)
+            dones[tenants[0]].append(done)
             assert done.continued or job.job_id not in stranded
         assert (await chaos_client.chat("after the crashes", max_tokens=4)).usage
+        await assert_ledger_matches(chaos_client, dones, first_day)
     finally:
         hold.release()
         for worker in [*workers, *([replacement] if replacement else [])]:

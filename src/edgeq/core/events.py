@@ -6,7 +6,8 @@ writes (the worker, a client cancelling, a reaper declaring a worker lost):
 - ``seq`` is assigned by Redis from the length of the job's replay stream: gap-free;
 - after a terminal event (``done`` or ``error``) nothing more is accepted: exactly one;
 - a terminal event counts its outcome (``done`` or the error code) in the queue's per-minute
-  tally that ``edgeq status`` reads (core/registry.py);
+  tally that ``edgeq status`` reads (core/registry.py), and, when its writer knows the job's
+  scope, its usage in the tenant's usage ledger (core/ledger.py);
 - the event is appended to the replay stream ``edgeq:events:{<job_id>}`` (stream id
   ``<seq>-1``, so ``after_seq`` maps onto stream ids) and published on
   ``edgeq:stream:<job_id>`` in the same step: a reader that subscribes first and then reads
@@ -24,7 +25,15 @@ from redis.asyncio import Redis
 
 from edgeq.core.batching import BatchedScript
 from edgeq.core.errors import StreamClosed
-from edgeq.core.keys import events_key, outcomes_key, stream_channel, terminal_key
+from edgeq.core.keys import (
+    events_key,
+    outcomes_key,
+    stream_channel,
+    terminal_key,
+    usage_key,
+    usage_tenants_key,
+)
+from edgeq.core.ledger import LedgerScope, ledger_arguments, usage_day
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, decode_event
 from edgeq.core.scripts import lua_script
 
@@ -74,13 +83,22 @@ class EventLog:
     order and StreamClosed are unchanged.
     """
 
-    def __init__(self, redis: Redis, *, replay_ttl_s: float, queue: str | None = None) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        replay_ttl_s: float,
+        queue: str | None = None,
+        usage_keep_s: int | None = None,
+    ) -> None:
         self._queue = queue  # where terminal outcomes are counted (None: not counted)
+        # How long a day's usage ledger is kept (None: this writer keeps no ledger).
+        self._usage_keep_s = usage_keep_s
         self._publish = BatchedScript(redis, _PUBLISH)
         self._ttl_ms = str(int(replay_ttl_s * 1000))
 
     def _arguments(
-        self, event: AnyEvent, wanted: int, tenant: str | None
+        self, event: AnyEvent, wanted: int, tenant: str | None, ledger: LedgerScope | None
     ) -> tuple[list[str], list[bytes | str]]:
         raw = event.model_dump_json(exclude_none=True).encode()
         head, tail = raw.split(_SEQ_FIELD % event.seq, 1)
@@ -89,9 +107,16 @@ class EventLog:
             return keys, [head, tail, "0", self._ttl_ms, str(wanted)]
         args: list[bytes | str] = [head, tail, "1", self._ttl_ms, str(wanted)]
         if self._queue is not None:
-            keys.append(outcomes_key(self._queue, time.time()))
+            now_s = time.time()
+            keys.append(outcomes_key(self._queue, now_s))
             outcome = "done" if isinstance(event, DoneEvent) else event.code
+            tenant = ledger.tenant if ledger is not None else tenant
             args += [outcome, str(OUTCOME_RETENTION_S), tenant or ""]
+            if ledger is not None and self._usage_keep_s is not None:
+                day = usage_day(now_s)
+                keys += [usage_key(self._queue, ledger.tenant, day),
+                         usage_tenants_key(self._queue, day)]  # fmt: skip
+                args += [str(self._usage_keep_s), *ledger_arguments(ledger, event)]
         return keys, args
 
     async def append(self, event: AnyEvent) -> Published:
@@ -99,13 +124,22 @@ class EventLog:
         return (await self.append_many([event]))[0]
 
     async def append_many(
-        self, events: list[AnyEvent], *, at_seq: bool = False, tenant: str | None = None
+        self,
+        events: list[AnyEvent],
+        *,
+        at_seq: bool = False,
+        tenant: str | None = None,
+        ledger: LedgerScope | None = None,
     ) -> list[Published]:
         """Append several events of one job, in order, in one round trip. With ``at_seq``
         each goes at its own ``seq`` (the job's one publisher numbers its events), so sending
         the same events again after a lost reply changes nothing; else Redis numbers them.
-        ``tenant``: the job's, to count a terminal outcome per tenant too."""
-        calls = [self._arguments(event, event.seq if at_seq else -1, tenant) for event in events]
+        ``tenant``: the job's, to count a terminal outcome per tenant too; ``ledger``: the
+        job's scope, to count a terminal event in the usage ledger (its tenant wins)."""
+        calls = [
+            self._arguments(event, event.seq if at_seq else -1, tenant, ledger)
+            for event in events
+        ]
         replies = await self._publish.call_many(calls)
         for seq, length in replies:
             if seq == _EVENTS_LOST:

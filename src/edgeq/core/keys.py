@@ -36,6 +36,10 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
   after EDGEQ_DEAD_LETTER_TTL_S (core/dead_letter.py, ``edgeq dead-letter``).
 - ``{queue}:idempotency:<tenant>:<key>``: the job id a submit's idempotency key was given,
   and a hash of its request, for EDGEQ_IDEMPOTENCY_TTL_S (lua/enqueue.lua).
+- ``{queue}:usage:<tenant>:<YYYY-MM-DD>``: hash, the tenant's usage ledger for one UTC day,
+  field ``<model>|<class>|<counter>`` -> count; ``{queue}:usage-tenants:<YYYY-MM-DD>``: set,
+  the tenants with a ledger that day. Both written with a job's terminal event and expiring
+  EDGEQ_USAGE_KEEP_DAYS after their last write (core/ledger.py, ``edgeq usage``).
 
 OpenAI's Files and Batches (resources/batches/store.py), per queue:
 
@@ -178,6 +182,18 @@ def worker_key(queue: str, worker_id: str) -> str:
 def outcomes_key(queue: str, now_s: float) -> str:
     """A hash per queue and minute: outcome (``done`` or error code) -> jobs ended."""
     return f"{queue}:outcomes:{int(now_s // OUTCOME_BUCKET_S)}"
+
+
+def usage_key(queue: str, tenant: str, day: str) -> str:
+    """A hash per queue, tenant and UTC day (``YYYY-MM-DD``): ``<model>|<class>|<counter>``
+    -> count. A tenant name holds no ``:`` (core/scheduling.py TENANT_PATTERN), so the key
+    reads back unambiguously."""
+    return f"{queue}:usage:{tenant}:{day}"
+
+
+def usage_tenants_key(queue: str, day: str) -> str:
+    """A set per queue and UTC day: the tenants that have a usage hash that day."""
+    return f"{queue}:usage-tenants:{day}"
 
 
 def tenancy_key(queue: str) -> str:

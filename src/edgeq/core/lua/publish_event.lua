@@ -5,7 +5,14 @@
 -- terminal event the queue's outcome tally. ARGV: the event's JSON before and after its seq,
 -- terminal flag, TTL (ms), the seq the writer wants (-1: the next one), then for a counted
 -- terminal event its outcome, retention (s) and the job's tenant ('': not known), whose
--- outcomes are counted too, as tenant:<name>:<outcome>. Returns {seq, listeners}.
+-- outcomes are counted too, as tenant:<name>:<outcome>. Then, for a terminal event that
+-- goes into the usage ledger (core/ledger.py): KEYS 5 and 6 the tenant's usage hash for the
+-- day and the day's tenant index, ARGV 9 their lifetime (s), ARGV 10 on field, increment
+-- pairs. Returns {seq, listeners}.
+--
+-- The ledger is counted here, in the step that writes the terminal event, so a job is counted
+-- exactly once: a retry that finds its event stored returns before this, and a stream with a
+-- terminal event takes no second one.
 --
 -- A wanted seq makes a retry idempotent: the same event already at that seq (its reply was
 -- lost) is reported again, not appended twice; another event there means another run of the
@@ -36,6 +43,14 @@ if ARGV[3] == '1' then
       redis.call('HINCRBY', KEYS[4], 'tenant:' .. ARGV[8] .. ':' .. ARGV[6], 1)
     end
     redis.call('EXPIRE', KEYS[4], ARGV[7])
+  end
+  if #KEYS > 5 then
+    for i = 10, #ARGV, 2 do
+      redis.call('HINCRBY', KEYS[5], ARGV[i], ARGV[i + 1])
+    end
+    redis.call('EXPIRE', KEYS[5], ARGV[9])
+    redis.call('SADD', KEYS[6], ARGV[8])
+    redis.call('EXPIRE', KEYS[6], ARGV[9])
   end
 end
 local listeners = redis.call('PUBLISH', KEYS[3], event)
