@@ -40,6 +40,7 @@ def test_the_adapter_settings_read_name_path_entries(monkeypatch: pytest.MonkeyP
     [
         ({"adapters": "support"}, "EDGEQ_ADAPTERS: 'support' is not NAME=PATH"),
         ({"adapters": "a b=/x"}, "adapter name 'a b'"),
+        ({"adapters": {"sql\n": "/x"}}, r"adapter name 'sql\\n'"),  # re.match's $ let it by
         ({"max_adapter_rank": 12}, "EDGEQ_MAX_ADAPTER_RANK: vLLM takes one of 1, 8, 16"),
         ({"adapters": "a=/x,b=/y", "max_adapters": 1}, r"more than EDGEQ_MAX_ADAPTERS \(1\)"),
         ({"adapters": "a=/x", "enable_lora": False}, "EDGEQ_ENABLE_LORA is false"),

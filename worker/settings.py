@@ -25,7 +25,7 @@ def _tenant_map(value: Any) -> Any:
     entries: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         tenant, equals, number = (piece.strip() for piece in item.partition("="))
-        if not equals or not re.match(TENANT_PATTERN, tenant):
+        if not equals or not re.fullmatch(TENANT_PATTERN, tenant):
             raise ValueError(f"{item!r} is not tenant=number (tenant: letters, digits, _ . -)")
         try:
             entries[tenant] = float(number)

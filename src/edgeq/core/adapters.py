@@ -35,7 +35,7 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def valid_name(name: str) -> bool:
-    return re.match(ADAPTER_PATTERN, name) is not None
+    return re.fullmatch(ADAPTER_PATTERN, name) is not None  # re.match's $ passes "a\n"
 
 
 def name_problem(name: str) -> str | None:
