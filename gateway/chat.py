@@ -5,7 +5,8 @@
 
 A request waits for its job's first event before answering, so a job the worker refuses (a
 prompt too long, a queue deadline passed) still gets a proper HTTP status even when streaming.
-A client that goes away cancels its job: the engine stops generating for it. The job's tenant
+A client that goes away cancels its job: the engine stops generating for it (one that sent an
+``Idempotency-Key`` too: a retry of it after the cancel gets the cancelled job). The job's tenant
 is the request's (auth.py); its priority class is the body's ``priority``
 (edgeq.resources.openai_api).
 """
@@ -13,18 +14,20 @@ is the request's (auth.py); its priority class is the body's ``priority``
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
 import structlog
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from edgeq.core.errors import EdgeqError, JobFailed
 from edgeq.core.protocol import ChatResult, ErrorEvent, StreamEvent
 from edgeq.core.scheduling import DEFAULT_PRIORITY
 from edgeq.gateway.auth import TenantDep
-from edgeq.gateway.errors import client_error
+from edgeq.gateway.errors import ApiError, client_error
 from edgeq.gateway.jobs import (
     CLIENT_CLOSED_REQUEST,
     JOB_ID_HEADER,
@@ -38,6 +41,7 @@ from edgeq.gateway.jobs import (
 from edgeq.gateway.sse import stream_response
 from edgeq.gateway.state import ClientDep, ModelNamesDep, SettingsDep
 from edgeq.producer.client import ChatJob
+from edgeq.producer.queue import IDEMPOTENCY_KEY_PATTERN
 from edgeq.resources.openai_api import (
     ChatCompletionRequest,
     completion_json,
@@ -46,6 +50,25 @@ from edgeq.resources.openai_api import (
 
 log = structlog.get_logger("edgeq.gateway")
 router = APIRouter()
+
+#: A request sent again with the same value (per tenant, within EDGEQ_IDEMPOTENCY_TTL_S) gets
+#: the first one's job, from the start of its answer, instead of a second job (Stripe's name;
+#: the OpenAI SDKs send it with ``extra_headers``).
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The request's Idempotency-Key, if it sent one; a malformed one is a 400 naming it."""
+    key = request.headers.get(IDEMPOTENCY_KEY_HEADER)
+    if key is not None and not re.fullmatch(IDEMPOTENCY_KEY_PATTERN, key):
+        raise ApiError(
+            400,
+            f"{IDEMPOTENCY_KEY_HEADER}: 1 to 255 visible ASCII characters, no spaces",
+            type="invalid_request_error",
+            code="invalid_request",
+            param=IDEMPOTENCY_KEY_HEADER,
+        )
+    return key
 
 
 @router.post("/v1/chat/completions")
@@ -56,9 +79,12 @@ async def chat_completions(
     client: ClientDep,
     models: ModelNamesDep,
     settings: SettingsDep,
+    key: Annotated[str | None, Depends(idempotency_key)],
 ) -> Response:
     started = time.monotonic()
-    job, fields = await submit_job(client, models, body, tenant, settings.gateway_retry_after_s)
+    job, fields = await submit_job(
+        client, models, body, tenant, settings.gateway_retry_after_s, idempotency_key=key
+    )
     bound = log.bind(
         job_id=job.job_id,
         stream=body.stream,
@@ -94,16 +120,10 @@ async def chat_completions(
         raise
     if body.stream:
         return stream_response(
-            job,
-            first,
-            events,
-            model=body.model,
-            include_usage=body.include_usage,
-            started=started,
-            log=bound,
-            headers=headers,
+            job, first, events, model=body.model, include_usage=body.include_usage,
+            started=started, log=bound, headers=headers,
             shutdown_timeout_s=settings.gateway_shutdown_timeout_s,
-        )
+        )  # fmt: skip
     bound.info("gateway_done", total_ms=ms_since(started))
     return JSONResponse(completion_json(result, model=body.model, created=now_s()), headers=headers)
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edgeq.core.errors import (
     EdgeqError,
+    IdempotencyConflict,
     InvalidRequest,
     JobFailed,
     JobTimeout,
@@ -83,6 +84,14 @@ def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiE
             type="invalid_request_error",
             code="invalid_request",
             param=field_of(str(error)),
+        )
+    if isinstance(error, IdempotencyConflict):
+        return ApiError(
+            409,
+            str(error),
+            type="invalid_request_error",
+            code="idempotency_key_reused",
+            param="Idempotency-Key",
         )
     if isinstance(error, QueueFull):
         return ApiError(

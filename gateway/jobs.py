@@ -42,12 +42,14 @@ async def submit_job(
     body: ChatCompletionRequest,
     tenant: str | None,
     retry_after_s: int,
+    *,
+    idempotency_key: str | None = None,
 ) -> tuple[ChatJob, dict[str, Any]]:
     """The body's job (resources/submit.py), or the ApiError its refusal is answered with: a
     model not served here (404), a field edgeq cannot honour (400), what ChatClient refuses
-    (a full queue: 429 with Retry-After)."""
+    (a full queue: 429 with Retry-After; an idempotency key given to another request: 409)."""
     try:
-        return await submit(client, models, body, tenant)
+        return await submit(client, models, body, tenant, idempotency_key=idempotency_key)
     except ModelNotServed as error:
         raise ApiError(
             404, str(error), type="not_found_error", code="model_not_found", param="model"

@@ -11,9 +11,10 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -277,6 +278,35 @@ async def test_a_bad_request_is_a_400_that_names_the_field(
         await sdk.chat.completions.create(**request)  # type: ignore[call-overload]
     assert refused.value.status_code == 400
     assert named in refused.value.message
+
+
+async def test_a_chat_sent_again_with_its_idempotency_key_gets_the_first_ones_job(
+    sdk: openai.AsyncOpenAI, worker: WorkerProcess
+) -> None:
+    """A POST retried (its reply lost) with the same Idempotency-Key gets the first one's job
+    and answer, not a second job; another request under that key is a 409 naming the job, and
+    a malformed key a 400 naming the header."""
+    key = f"retry-{uuid.uuid4().hex}"
+    request: dict[str, Any] = {
+        "model": worker.env["EDGEQ_MODEL"],
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 16,
+        "seed": FULL_LENGTH_SEEDS[1],
+        "temperature": 0.7,
+    }
+    with_key = {"Idempotency-Key": key}
+    first = await sdk.chat.completions.with_raw_response.create(**request, extra_headers=with_key)
+    again = await sdk.chat.completions.with_raw_response.create(**request, extra_headers=with_key)
+    job_id = first.headers["x-edgeq-job-id"]
+    assert again.headers["x-edgeq-job-id"] == job_id
+    assert again.parse().choices[0].message.content == first.parse().choices[0].message.content
+
+    with pytest.raises(openai.ConflictError) as reused:
+        await sdk.chat.completions.create(**{**request, "max_tokens": 8}, extra_headers=with_key)
+    assert reused.value.code == "idempotency_key_reused" and job_id in reused.value.message
+    with pytest.raises(openai.BadRequestError) as malformed:
+        await sdk.chat.completions.create(**request, extra_headers={"Idempotency-Key": "a b"})
+    assert malformed.value.param == "Idempotency-Key" and "visible ASCII" in malformed.value.message
 
 
 @pytest.mark.parametrize("stream", [False, True])

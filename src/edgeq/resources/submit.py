@@ -23,11 +23,18 @@ class ModelNotServed(LookupError):
 
 
 async def submit(
-    client: ChatClient, models: ModelNames, body: ChatCompletionRequest, tenant: str | None
+    client: ChatClient,
+    models: ModelNames,
+    body: ChatCompletionRequest,
+    tenant: str | None,
+    *,
+    idempotency_key: str | None = None,
 ) -> tuple[ChatJob, dict[str, Any]]:
     """Enqueue the body's job for ``tenant``: the job, and the edgeq fields it was sent with
     (less its messages). Raises ModelNotServed, UnsupportedField (a field edgeq cannot
-    honour) or what ChatClient refuses (an EdgeqError: a full queue, Redis away)."""
+    honour) or what ChatClient refuses (an EdgeqError: a full queue, Redis away, an
+    ``idempotency_key`` given to another request). With ``idempotency_key``, the same request
+    sent again gets the first one's job (ChatClient.submit)."""
     names = await models.names()
     if body.model not in names:
         raise ModelNotServed(body.model, names)
@@ -36,5 +43,5 @@ async def submit(
         fields["tenant"] = tenant
     if body.model in await models.adapters():  # as vLLM's server: an adapter is a model
         fields["adapter"] = body.model
-    job = await client.submit(fields.pop("messages"), **fields)
+    job = await client.submit(fields.pop("messages"), idempotency_key=idempotency_key, **fields)
     return job, fields
