@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.commands": ("chat", "watch", "cancel", "status"),
     "edgeq.producer.adapter_commands": ("adapters",),
     "edgeq.producer.dead_letter_commands": ("dead-letter",),
+    "edgeq.producer.tenant_commands": ("tenants",),
     "edgeq.gateway.commands": ("gateway",),
     "edgeq.resources.batches.commands": ("batch",),
     "edgeq.worker.commands": ("worker",),
