@@ -10,6 +10,8 @@ import calendar
 import json
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -25,7 +27,7 @@ from edgeq.core.limits import estimate_prompt_tokens, read_usage, set_limit, set
 from edgeq.core.scheduling import Tenancy, publish_tenancy, read_tenancy
 from edgeq.producer.client import ChatClient
 from edgeq.producer.queue import Enqueued, JobQueue
-from edgeq.testing.processes import GatewayProcess, RedisServer
+from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
 
 #: 2026-12-06 12:00:10 UTC: 50 s left in its minute.
 NOON = datetime(2026, 12, 6, 12, 0, 10, tzinfo=UTC)
@@ -309,3 +311,31 @@ async def test_the_cli_sets_limits_the_next_submit_obeys_and_shows_the_usage(
     assert (await read_usage(redis, queue, "acme")).tokens_today == 0
     refused = edgeq(redis_server, queue, "tenants", "limits", "set", "acme")
     assert refused.returncode != 0 and "name one at least" in refused.stderr
+
+
+# --- a real worker ---------------------------------------------------------------------------
+
+
+@pytest.mark.engine
+async def test_a_real_worker_settles_each_chat_with_what_it_used(
+    redis: Redis, worker: WorkerProcess
+) -> None:
+    """The shared worker's terminal step settles the reservation: the day's count ends as the
+    engine's exact prompt plus the answer's tokens, not the estimate plus max_tokens."""
+    queue, tenant = worker.env["EDGEQ_QUEUE"], f"settled-{uuid.uuid4().hex[:6]}"
+    await set_limit(redis, queue, tenant, "tokens_per_day", 1_000_000)
+    await freeze(redis, queue, NOON)  # only limited tenants read it: this test's own
+    try:
+        async with ChatClient(redis_url=worker.env["EDGEQ_REDIS_URL"], queue=queue) as client:
+            job = await client.submit(PROMPT, tenant=tenant, max_tokens=200)
+            assert (await used(redis, queue, tenant))["day_tokens"] == prompt_cost() + 200
+            result = await job.result()
+        deadline = time.monotonic() + 30  # the settlement follows the terminal write
+        while await redis.exists(reservation_key(queue, job.job_id)):
+            assert time.monotonic() < deadline, "the worker never settled the chat"
+            await asyncio.sleep(0.05)
+        spent = result.usage.prompt_tokens + result.usage.completion_tokens
+        assert (await used(redis, queue, tenant))["day_tokens"] == spent
+    finally:
+        await set_limit(redis, queue, tenant, "tokens_per_day", 0)
+        await redis.hdel(tenancy_key(queue), "limits_clock_ms")
