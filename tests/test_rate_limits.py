@@ -124,6 +124,20 @@ async def test_tokens_per_minute_reserve_max_tokens_and_the_settlement_gives_bac
     await client.submit(PROMPT, tenant="acme", max_tokens=600)  # fits again
 
 
+async def test_a_settlement_names_the_tenant_it_settles_for(
+    redis: Redis, queue: str, client: ChatClient
+) -> None:
+    """A job whose request names another tenant than the one it was admitted for (a producer
+    in another language may pass both) gives nothing back to the other tenant."""
+    await limit(redis, queue, tpm={"acme": 1000, "other": 1000})
+    job = await client.submit(PROMPT, tenant="acme", max_tokens=500)
+    await client.submit(PROMPT, tenant="other", max_tokens=500)
+    assert await settle(redis, queue, job.job_id, "other", completion_tokens=0,
+                        prompt_tokens=0) == 0  # fmt: skip
+    assert (await used(redis, queue, "other"))["tokens"] == prompt_cost() + 500
+    assert (await used(redis, queue, "acme"))["tokens"] == prompt_cost() + 500
+
+
 async def test_a_chat_without_max_tokens_reserves_the_workers_max_tokens(
     redis: Redis, queue: str, client: ChatClient
 ) -> None:

@@ -122,7 +122,7 @@ async def settle(
     script = registered(redis, _SETTLE)
     back = await script(
         keys=[reservation_key(queue, job_id), limits_usage_key(queue, tenant)],
-        args=[completion_tokens, -1 if prompt_tokens is None else prompt_tokens],
+        args=[completion_tokens, -1 if prompt_tokens is None else prompt_tokens, tenant],
     )
     return int(back)
 

@@ -76,7 +76,7 @@ if KEYS[10] then
   local completion = tonumber(ARGV[11])
   if completion <= 0 then completion = tonumber(rules[10] or '256') end
   -- Held while the chat may still run: its deadline in the queue, and an hour to answer.
-  local refused = admit(KEYS[10], KEYS[11], limits, tonumber(ARGV[10]), completion,
+  local refused = admit(KEYS[10], KEYS[11], limits, tenant, tonumber(ARGV[10]), completion,
     tonumber(ARGV[2]) + 3600000)
   if refused then return refused end
 elseif limited(limits) then

@@ -71,12 +71,13 @@ local function limited(limits)
   return false
 end
 
--- Admit a chat costing `cost` tokens against the limits {rpm, tpm, tokens per day, tokens per
+-- Admit a chat of `tenant` costing `prompt` + `completion` tokens against the limits {rpm, tpm, tokens per day, tokens per
 -- month, the frozen clock} (tenancy fields, false when unset; 0 or unset: no limit). Admitted:
 -- counts it and writes its reservation (kept `reservation_ttl_ms`), returns nil. Refused:
 -- returns {-4, which limit, its value, what is left of it, ms until it resets, rpm, requests
 -- left, tpm, tokens left, ms until the minute resets}; nothing is counted.
-local function admit(used_key, reservation_key, limits, prompt, completion, reservation_ttl_ms)
+local function admit(used_key, reservation_key, limits, tenant, prompt, completion,
+                     reservation_ttl_ms)
   local rpm, tpm = tonumber(limits[1] or '0'), tonumber(limits[2] or '0')
   local per_day, per_month = tonumber(limits[3] or '0'), tonumber(limits[4] or '0')
   if not limited(limits) then return nil end
@@ -103,8 +104,8 @@ local function admit(used_key, reservation_key, limits, prompt, completion, rese
     'month', w.month, 'month_tokens', u.month + cost)
   -- Kept until its month is over (a day more: the settlement of the month's last chats).
   redis.call('PEXPIRE', used_key, w.month_end - now + DAY_MS)
-  redis.call('HSET', reservation_key, 'prompt', prompt, 'completion', completion,
-    'minute', w.minute, 'day', w.day, 'month', w.month)
+  redis.call('HSET', reservation_key, 'tenant', tenant, 'prompt', prompt,
+    'completion', completion, 'minute', w.minute, 'day', w.day, 'month', w.month)
   redis.call('PEXPIRE', reservation_key, reservation_ttl_ms)
   return nil
 end

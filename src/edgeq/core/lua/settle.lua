@@ -4,13 +4,16 @@
 -- the tenant's current ones. A window that has turned since keeps what it counted.
 --
 -- KEYS: the job's reservation (core/keys.py reservation_key), its tenant's usage hash
--- (limits_usage_key); ARGV: the completion tokens the job produced, and its prompt's tokens
--- (-1: unknown, the estimate stands). Returns the tokens given back (negative: charged more),
+-- (limits_usage_key); ARGV: the completion tokens the job produced, its prompt's tokens
+-- (-1: unknown, the estimate stands), and its tenant (a usage hash of another tenant than the
+-- one admitted, from a request whose tenant differs from the enqueue's, is left alone). Returns the tokens given back (negative: charged more),
 -- 0 when there was nothing to settle. The reservation is deleted in the same step, so a job
 -- settles once, however many runs it had (a continued job's last run settles it).
-local held = redis.call('HMGET', KEYS[1], 'prompt', 'completion', 'minute', 'day', 'month')
+local held = redis.call('HMGET', KEYS[1], 'prompt', 'completion', 'minute', 'day', 'month',
+  'tenant')
 if not held[1] then return 0 end
 redis.call('DEL', KEYS[1])
+if held[6] ~= ARGV[3] then return 0 end
 local prompt = tonumber(ARGV[2])
 if prompt < 0 then prompt = tonumber(held[1]) end
 local back = tonumber(held[1]) + tonumber(held[2]) - (prompt + tonumber(ARGV[1]))
