@@ -21,6 +21,7 @@ import openai
 import pytest
 from redis.asyncio import Redis
 
+from edgeq.bench import limits_overhead
 from edgeq.core.errors import QueueFull, RateLimited
 from edgeq.core.keys import job_key, limits_usage_key, reservation_key, tenancy_key
 from edgeq.core.limits import estimate_prompt_tokens, read_usage, set_limit, settle
@@ -353,3 +354,9 @@ async def test_a_real_worker_settles_each_chat_with_what_it_used(
     finally:
         await set_limit(redis, queue, tenant, "tokens_per_day", 0)
         await redis.hdel(tenancy_key(queue), "limits_clock_ms")
+
+
+async def test_the_limits_bench_measures_both_modes_on_a_redis_of_its_own() -> None:
+    results = await limits_overhead.run(rounds=1, jobs=20, burst=10)
+    assert set(results) == {"off", "on"}
+    assert all(lone > 0 and rate > 0 for rows in results.values() for lone, rate in rows)
