@@ -23,7 +23,13 @@ from redis.asyncio import Redis
 
 from edgeq.bench import limits_overhead
 from edgeq.core.errors import QueueFull, RateLimited
-from edgeq.core.keys import job_key, limits_usage_key, reservation_key, tenancy_key
+from edgeq.core.keys import (
+    batch_key,
+    job_key,
+    limits_usage_key,
+    reservation_key,
+    tenancy_key,
+)
 from edgeq.core.limits import estimate_prompt_tokens, read_usage, set_limit, settle
 from edgeq.core.scheduling import Tenancy, publish_tenancy, read_tenancy
 from edgeq.producer.client import ChatClient
@@ -326,6 +332,45 @@ async def test_the_cli_sets_limits_the_next_submit_obeys_and_shows_the_usage(
     assert (await read_usage(redis, queue, "acme")).tokens_today == 0
     refused = edgeq(redis_server, queue, "tenants", "limits", "set", "acme")
     assert refused.returncode != 0 and "name one at least" in refused.stderr
+
+
+async def test_a_batch_whose_tenant_spent_its_day_waits_and_says_so(
+    redis: Redis, redis_server: RedisServer, queue: str, gateway: GatewayProcess
+) -> None:
+    """Its lines are not failed: they wait for the next UTC day (or a budget raised), and
+    ``edgeq batch status`` says why meanwhile."""
+    await limit(redis, queue, tokens_per_day={"acme": 100})
+    sdk = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="sk-acme", max_retries=0)
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 500}}  # fmt: skip
+    uploaded = await sdk.files.create(
+        file=("in.jsonl", json.dumps(line).encode() + b"\n"), purpose="batch"
+    )
+    batch = await sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 30
+    while not await redis.hget(batch_key(queue, batch.id), "waiting"):
+        assert time.monotonic() < deadline, "the batch never said it waits"
+        await asyncio.sleep(0.05)
+    status = edgeq(redis_server, queue, "batch", "status", batch.id, "--tenant", "acme")
+    assert status.returncode == 0, status.stderr
+    assert "in_progress: 0 completed, 0 failed of 1" in status.stdout
+    assert "tokens per day limit (100, EDGEQ_TENANT_TOKENS_PER_DAY)" in status.stdout
+    assert await redis.zcard(queue) == 0
+
+    await set_limit(redis, queue, "acme", "tokens_per_day", 10_000)  # raised at run time
+    deadline = time.monotonic() + 30
+    while await redis.zcard(queue) == 0:  # tried again within LIMITS_RETRY_S
+        assert time.monotonic() < deadline, "the line never went on"
+        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while await redis.hget(batch_key(queue, batch.id), "waiting"):
+        assert time.monotonic() < deadline, "the batch still says it waits"
+        await asyncio.sleep(0.05)
+    assert (await sdk.batches.retrieve(batch.id)).request_counts.failed == 0  # type: ignore[union-attr]
+    await sdk.close()
 
 
 # --- a real worker ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -93,6 +93,15 @@ class RateLimitRefusal(BaseModel):
     @property
     def setting(self) -> str:
         return SETTING_OF[self.limit]
+
+
+def waiting_reason(tenant: str, refusal: RateLimitRefusal) -> str:
+    """What a batch whose lines this refusal holds back says while they wait."""
+    until = datetime.now(UTC) + timedelta(seconds=refusal.reset_s)
+    return (
+        f"lines wait: tenant {tenant}'s {refusal.limit.replace('_', ' ')} limit "
+        f"({refusal.value}, {refusal.setting}) is spent until {until:%Y-%m-%d %H:%M:%S} UTC"
+    )
 
 
 async def set_limit(
