@@ -19,6 +19,7 @@ from typing import Any
 
 import openai
 import pytest
+from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from edgeq.bench import limits_overhead
@@ -35,6 +36,7 @@ from edgeq.core.scheduling import Tenancy, publish_tenancy, read_tenancy
 from edgeq.producer.client import ChatClient
 from edgeq.producer.queue import Enqueued, JobQueue
 from edgeq.testing.processes import GatewayProcess, RedisServer, WorkerProcess
+from edgeq.worker.settings import WorkerSettings
 
 #: 2026-12-06 12:00:10 UTC: 50 s left in its minute.
 NOON = datetime(2026, 12, 6, 12, 0, 10, tzinfo=UTC)
@@ -405,3 +407,21 @@ async def test_the_limits_bench_measures_both_modes_on_a_redis_of_its_own() -> N
     results = await limits_overhead.run(rounds=1, jobs=20, burst=10)
     assert set(results) == {"off", "on"}
     assert all(lone > 0 and rate > 0 for rows in results.values() for lone, rate in rows)
+
+
+def test_the_workers_settings_become_the_published_limits(
+    monkeypatch: pytest.MonkeyPatch, clean_edgeq_env: None
+) -> None:
+    monkeypatch.setenv("EDGEQ_TENANT_RPM", "support=600, team-ml=120")
+    monkeypatch.setenv("EDGEQ_TENANT_TOKENS_PER_DAY", "nightly=5000000")
+    monkeypatch.setenv("EDGEQ_MAX_TOKENS", "64")
+    tenancy = WorkerSettings().tenancy
+    assert tenancy.rpm == {"support": 600, "team-ml": 120}
+    assert tenancy.tokens_per_day == {"nightly": 5_000_000}
+    assert tenancy.tpm == tenancy.tokens_per_month == {}
+    assert tenancy.max_tokens == 64
+    assert {"support", "team-ml", "nightly"} <= set(tenancy.named_tenants)
+    for bad in ("support=1.5", "support=0", "support"):
+        monkeypatch.setenv("EDGEQ_TENANT_TPM", bad)
+        with pytest.raises(ValidationError, match=r"EDGEQ_TENANT_TPM|tenant=number"):
+            WorkerSettings()
