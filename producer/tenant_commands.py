@@ -59,14 +59,15 @@ async def _show(args: argparse.Namespace) -> int:
     if not report:
         print(f"queue {settings.queue}: no tenant has limits")
         return EXIT_OK
-    print("tenant  rpm (used)  tpm (used)  tokens/day (used)  tokens/month (used)")
+    heads = ("rpm (used)", "tpm (used)", "tokens/day (used)", "tokens/month (used)")
+    print(f"{'tenant':<24}" + "".join(f"{head:>24}" for head in heads))
     for tenant, entry in report.items():
         limits, used = entry["limits"], list(entry["used"].values())
         cells = [
             f"{limits[name] if limits[name] is not None else '-'} ({count})"
             for name, count in zip(LIMIT_FIELDS, used, strict=True)
         ]
-        print(f"{tenant}  {'  '.join(cells)}")
+        print(f"{tenant:<24}" + "".join(f"{cell:>24}" for cell in cells))
     return EXIT_OK
 
 
