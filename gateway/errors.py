@@ -24,6 +24,7 @@ from edgeq.core.errors import (
     JobFailed,
     JobTimeout,
     QueueFull,
+    RateLimited,
     RedisUnavailable,
 )
 from edgeq.core.protocol import ErrorCode
@@ -93,6 +94,8 @@ def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiE
             code="idempotency_key_reused",
             param="Idempotency-Key",
         )
+    if isinstance(error, RateLimited):
+        return rate_limited(error)
     if isinstance(error, QueueFull):
         return ApiError(
             429,
@@ -108,6 +111,32 @@ def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiE
     if isinstance(error, RedisUnavailable):
         return ApiError(503, str(error), type="service_unavailable", code="redis_unavailable")
     return ApiError(502, str(error), type="server_error", code="stream_broken")
+
+
+def rate_limited(error: RateLimited) -> ApiError:
+    """A tenant over its rate limit or token budget (docs/limits.md): 429 with Retry-After
+    (until the refusing limit's window turns) and OpenAI's x-ratelimit-* headers for the
+    minute's limits that are set (tokens: prompt, estimated, plus max_tokens)."""
+    refusal = error.refusal
+    headers = {"Retry-After": str(error.retry_after_s)}
+    reset = f"{refusal.minute_reset_s:g}s"
+    for kind, limit, remaining in (
+        ("requests", refusal.requests_limit, refusal.requests_remaining),
+        ("tokens", refusal.tokens_limit, refusal.tokens_remaining),
+    ):
+        if limit > 0:
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+            headers[f"x-ratelimit-reset-{kind}"] = reset
+    return ApiError(
+        429,
+        str(error),
+        type="rate_limit_error",
+        # OpenAI's codes: a minute's limit, or a quota (here the day's or month's budget).
+        code="rate_limit_exceeded" if refusal.limit in ("requests", "tokens")
+        else "insufficient_quota",
+        headers=headers,
+    )
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from edgeq.core.errors import (
     JobFailed,
     JobTimeout,
     QueueFull,
+    RateLimited,
     RedisUnavailable,
     StreamBroken,
 )
@@ -322,7 +323,8 @@ class ChatClient:
         (edgeq.core.scheduling). ``adapter=`` names a LoRA adapter to answer with; one that no
         worker serves or will is refused here (InvalidRequest). Raises QueueFull when
         EDGEQ_MAX_QUEUE jobs are queued or running, or the tenant has its
-        EDGEQ_TENANT_MAX_QUEUED queued.
+        EDGEQ_TENANT_MAX_QUEUED queued; RateLimited (a QueueFull) when the tenant's rate limit
+        or token budget is spent (docs/limits.md).
 
         ``idempotency_key``: a submit retried with the same key (per tenant) within
         EDGEQ_IDEMPOTENCY_TTL_S gets the job the first one enqueued, attached from its replay
@@ -372,25 +374,30 @@ class ChatClient:
         except BaseException:
             await job.aclose()
             raise
+        if outcome is Enqueued.ACCEPTED:
+            return job
+        await job.aclose()
         if outcome is Enqueued.EXISTING:  # a retried submit: the first one's job
-            await job.aclose()
             return await self.attach(str(detail))
+        raise self._refused(outcome, detail, tenant, idempotency_key)
+
+    def _refused(
+        self, outcome: Enqueued, detail: Any, tenant: str, idempotency_key: str | None
+    ) -> EdgeqError:
+        """What a submit the enqueue refused raises."""
         if outcome is Enqueued.IDEMPOTENCY_CONFLICT:
-            await job.aclose()
-            raise IdempotencyConflict(str(idempotency_key), tenant, str(detail))
+            return IdempotencyConflict(str(idempotency_key), tenant, str(detail))
+        if outcome is Enqueued.RATE_LIMITED:
+            return RateLimited(tenant, detail)
         if outcome is Enqueued.TENANT_FULL:
-            await job.aclose()
-            raise QueueFull(
-                f"tenant {request.tenant} already has {detail} jobs queued "
+            return QueueFull(
+                f"tenant {tenant} already has {detail} jobs queued "
                 f"(its EDGEQ_TENANT_MAX_QUEUED on the workers); try again shortly"
             )
-        if outcome is not Enqueued.ACCEPTED:
-            await job.aclose()
-            raise QueueFull(
-                f"queue {settings.queue} already holds {settings.max_queue} jobs "
-                f"(EDGEQ_MAX_QUEUE); try again shortly"
-            )
-        return job
+        return QueueFull(
+            f"queue {self.settings.queue} already holds {self.settings.max_queue} jobs "
+            f"(EDGEQ_MAX_QUEUE); try again shortly"
+        )
 
     async def _check_adapter(self, name: str) -> None:
         """Refuse an adapter no worker of the queue serves or will (core/adapters.py)."""

@@ -24,18 +24,22 @@ from edgeq.core.keys import (
     batch_lines_key,
     fair_key,
     job_key,
+    limits_usage_key,
     queued_by_tenant_key,
+    reservation_key,
     tenancy_key,
     tenant_of_key,
     wake_channel,
 )
+from edgeq.core.limits import RateLimitRefusal, estimate_prompt_tokens
 from edgeq.core.protocol import JOB_FUNCTION, ErrorEvent, dump_json
 from edgeq.core.scheduling import Priority, band_of
 from edgeq.core.scripts import lua_script
 
 # KEYS and ARGV: lua/enqueue.lua (it runs in a BatchedScript only: it wakes the workers once
-# per batch) and lua/dequeue.lua; both use the fair-queuing functions (core/scheduling.py).
-_ENQUEUE = lua_script("fair_queuing", "enqueue")
+# per batch) and lua/dequeue.lua; both use the fair-queuing functions (core/scheduling.py),
+# the enqueue the tenants' limits too (core/limits.py).
+_ENQUEUE = lua_script("clock", "fair_queuing", "limits", "enqueue")
 _DEQUEUE = lua_script("fair_queuing", "dequeue")
 
 
@@ -59,13 +63,18 @@ class Enqueued(IntEnum):
     EXISTING = 2
     #: The idempotency key was given to a job with a different request.
     IDEMPOTENCY_CONFLICT = -3
+    #: The tenant's rate limit or token budget is spent (core/limits.py).
+    RATE_LIMITED = -4
+    #: The tenant has limits and the call did not pass the keys to count them against.
+    UNLIMITED_CALLER = -5
 
 
 class EnqueueOutcome(NamedTuple):
     outcome: Enqueued
     #: The tenant's EDGEQ_TENANT_MAX_QUEUED for TENANT_FULL; the job the idempotency key was
-    #: given to for EXISTING and IDEMPOTENCY_CONFLICT (two fields: callers unpack a pair).
-    detail: int | str = 0
+    #: given to for EXISTING and IDEMPOTENCY_CONFLICT; which limit and what is left of it for
+    #: RATE_LIMITED (two fields: callers unpack a pair).
+    detail: int | str | RateLimitRefusal = 0
 
     @property
     def tenant_cap(self) -> int:
@@ -142,11 +151,19 @@ class JobQueue:
         if idempotency is not None:
             keys.append(idempotency.key)
             args += [idempotency.request_hash, int(idempotency.ttl_s * 1000)]
+        else:  # a place holder in the queue's slot: no idempotency key (lua/enqueue.lua)
+            keys.append(keys[1])
+            args += ["", 0]
+        # The tenant's limits (core/limits.py): admitted and reserved in the same step.
+        keys += [limits_usage_key(self.name, tenant), reservation_key(self.name, job_id)]
+        args += [estimate_prompt_tokens(request), int(request.get("max_tokens") or 0)]
         reply = await self._enqueue(keys, args, after=after)
         outcome = Enqueued(int(reply[0]))
         if outcome in (Enqueued.EXISTING, Enqueued.IDEMPOTENCY_CONFLICT):
             held = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
             return EnqueueOutcome(outcome, held)
+        if outcome is Enqueued.RATE_LIMITED:
+            return EnqueueOutcome(outcome, RateLimitRefusal.from_reply(reply[1:]))
         return EnqueueOutcome(outcome, *(int(value) for value in reply[1:]))
 
     async def depth(self) -> int:

@@ -35,6 +35,7 @@ from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
 from edgeq.core.leases import hand_over_after_engine_failure
 from edgeq.core.ledger import LedgerScope
+from edgeq.core.limits import settle_ended
 from edgeq.core.protocol import (
     ChatRequest,
     ChatResult,
@@ -151,9 +152,13 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         metrics.job_ended(outcome, e2e_s=e2e_s)
         if job.job_id not in state.not_finished_here:  # else it ends (and counts) elsewhere
             metrics.tenant_job_ended(payload.tenant, outcome, usage)
-        if publisher.closed and job.job_id not in state.not_finished_here:
-            state.recent.keep_events(
-                job.job_id, publisher.stored, payload.tenant, publisher.ledger
+            if publisher.closed:
+                state.recent.keep_events(
+                    job.job_id, publisher.stored, payload.tenant, publisher.ledger
+                )
+            # Its tokens, reserved at admission (core/limits.py).
+            await settle_ended(
+                state.redis, settings.queue, job.job_id, payload.tenant, publisher.stored
             )
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take

@@ -145,6 +145,12 @@ class WorkerSettings(ConnectionSettings):
     tenant_default_weight: float = Field(1.0, gt=0)
     tenant_max_queued: TenantMap = Field(default_factory=dict)
     priority_aging_s: float = Field(60.0, ge=0)
+    # Rate limits and token budgets per tenant (docs/limits.md), tenant=number lists published
+    # with the weights: requests and tokens per minute, tokens per UTC day and month.
+    tenant_rpm: TenantMap = Field(default_factory=dict)
+    tenant_tpm: TenantMap = Field(default_factory=dict)
+    tenant_tokens_per_day: TenantMap = Field(default_factory=dict)
+    tenant_tokens_per_month: TenantMap = Field(default_factory=dict)
     # Free slots (of EDGEQ_MAX_JOBS) batch jobs never take (None: a quarter of EDGEQ_MAX_JOBS),
     # so a chat arriving while batch work fills the box starts at once.
     reserved_slots: int | None = Field(None, ge=0)
@@ -231,9 +237,10 @@ class WorkerSettings(ConnectionSettings):
         for tenant, weight in self.tenant_weights.items():
             if weight <= 0:
                 raise ValueError(f"EDGEQ_TENANT_WEIGHTS: {tenant}'s weight must be above 0")
-        for tenant, cap in self.tenant_max_queued.items():
-            if cap != int(cap) or cap < 1:
-                raise ValueError(f"EDGEQ_TENANT_MAX_QUEUED: {tenant}'s cap is not a count > 0")
+        for name, limits in self._tenant_counts.items():
+            for tenant, cap in limits.items():
+                if cap != int(cap) or cap < 1:
+                    raise ValueError(f"EDGEQ_{name.upper()}: {tenant}'s value is not a count > 0")
         if self.reserved_slots is not None and self.reserved_slots >= self.arq_max_jobs:
             raise ValueError(
                 f"EDGEQ_RESERVED_SLOTS ({self.reserved_slots}) must be below "
@@ -269,12 +276,31 @@ class WorkerSettings(ConnectionSettings):
         return self.enable_lora if self.enable_lora is not None else bool(self.adapters)
 
     @property
+    def _tenant_counts(self) -> dict[str, dict[str, float]]:
+        """The tenant=count settings, by field name."""
+        return {
+            "tenant_max_queued": self.tenant_max_queued,
+            "tenant_rpm": self.tenant_rpm,
+            "tenant_tpm": self.tenant_tpm,
+            "tenant_tokens_per_day": self.tenant_tokens_per_day,
+            "tenant_tokens_per_month": self.tenant_tokens_per_month,
+        }
+
+    @property
     def tenancy(self) -> Tenancy:
+        def counts(limits: dict[str, float]) -> dict[str, int]:
+            return {tenant: int(value) for tenant, value in limits.items()}
+
         return Tenancy(
             weights=self.tenant_weights,
-            max_queued={tenant: int(cap) for tenant, cap in self.tenant_max_queued.items()},
+            max_queued=counts(self.tenant_max_queued),
             default_weight=self.tenant_default_weight,
             aging_s=self.priority_aging_s,
+            rpm=counts(self.tenant_rpm),
+            tpm=counts(self.tenant_tpm),
+            tokens_per_day=counts(self.tenant_tokens_per_day),
+            tokens_per_month=counts(self.tenant_tokens_per_month),
+            max_tokens=self.max_tokens,
         )
 
     @property

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "edgeq.producer.adapter_commands": ("adapters",),
     "edgeq.producer.dead_letter_commands": ("dead-letter",),
     "edgeq.producer.usage_commands": ("usage",),
+    "edgeq.producer.tenant_commands": ("tenants",),
     "edgeq.gateway.commands": ("gateway",),
     "edgeq.resources.batches.commands": ("batch",),
     "edgeq.worker.commands": ("worker",),

@@ -6,6 +6,7 @@
     ├── RedisUnavailable   Redis unreachable, or it refused the credentials
     ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running, or the tenant's
     │                      EDGEQ_TENANT_MAX_QUEUED queued: retry later
+    │   └── RateLimited    the tenant's rate limit or token budget is spent (``refusal``)
     ├── IdempotencyConflict  a submit's idempotency key was given to a different request
     ├── JobFailed          the job ended with an ``error`` event (``code``, ``message``)
     ├── InvalidAnswer      a ``schema=`` answer was cut short or does not validate
@@ -18,6 +19,7 @@ Every message says what happened and where.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -40,6 +42,26 @@ class RedisUnavailable(EdgeqError):
 class QueueFull(EdgeqError):
     """The queue already holds EDGEQ_MAX_QUEUE jobs, or the job's tenant its cap of queued
     jobs (EDGEQ_TENANT_MAX_QUEUED); nothing was enqueued. Retry later."""
+
+
+class RateLimited(QueueFull):
+    """The tenant's requests or tokens per minute, or its token budget for the UTC day or
+    month, would be exceeded (docs/limits.md); nothing was enqueued. ``refusal`` says which
+    limit, its value, what is left and when it resets (a core/limits.py RateLimitRefusal)."""
+
+    def __init__(self, tenant: str, refusal: Any) -> None:
+        super().__init__(
+            f"tenant {tenant} is over its {refusal.limit.replace('_', ' ')} limit "
+            f"({refusal.value}, {refusal.setting}; {refusal.remaining} left): "
+            f"try again in {math.ceil(refusal.reset_s)} s"
+        )
+        self.tenant = tenant
+        self.refusal = refusal
+
+    @property
+    def retry_after_s(self) -> int:
+        """Whole seconds until the refusing limit's window turns (at least 1)."""
+        return max(1, math.ceil(self.refusal.reset_s))
 
 
 class IdempotencyConflict(EdgeqError):

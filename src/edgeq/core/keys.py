@@ -34,6 +34,10 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
 - ``{queue}:dead-letter``: sorted set, quarantined job id -> when (Unix ms, Redis's clock);
   ``{queue}:dead-letter:<id>``: hash, that job's payload, engine failures and reason, expiring
   after EDGEQ_DEAD_LETTER_TTL_S (core/dead_letter.py, ``edgeq dead-letter``).
+- ``{queue}:limits-usage:<tenant>``: hash, what a tenant with rate limits or token budgets
+  used in the current minute, UTC day and month; ``{queue}:reservation:<id>``: hash, the
+  tokens a job reserved at admission, until its end settles them (core/limits.py,
+  lua/limits.lua).
 - ``{queue}:idempotency:<tenant>:<key>``: the job id a submit's idempotency key was given,
   and a hash of its request, for EDGEQ_IDEMPOTENCY_TTL_S (lua/enqueue.lua).
 - ``{queue}:usage:<tenant>:<YYYY-MM-DD>``: hash, the tenant's usage ledger for one UTC day,
@@ -157,6 +161,18 @@ def dead_letter_entry_key(queue: str, job_id: str) -> str:
 def idempotency_key(queue: str, tenant: str, key: str) -> str:
     """A submit's idempotency key, scoped by tenant: two tenants' keys never meet."""
     return f"{queue}:idempotency:{tenant}:{key}"
+
+
+def limits_usage_key(queue: str, tenant: str) -> str:
+    """A hash per tenant with limits: its requests and tokens this minute, its tokens this UTC
+    day and month, each beside the window it counts (lua/limits.lua)."""
+    return f"{queue}:limits-usage:{tenant}"
+
+
+def reservation_key(queue: str, job_id: str) -> str:
+    """A hash per admitted job of a limited tenant: the tokens it reserved and the windows it
+    reserved them in, until its end settles them (lua/settle.lua)."""
+    return f"{queue}:reservation:{job_id}"
 
 
 def wake_channel(queue: str) -> str:

@@ -22,7 +22,8 @@ one atomic step over the set's lowest scores, O(log n) in the queue's length:
   a steady stream of interactive chats still progresses: after twice the aging time it
   shares the interactive band by weight. ``EDGEQ_PRIORITY_AGING_S=0``: strict priority.
 
-Weights, queued-job caps and the aging time are worker settings; each worker writes them to
+Weights, queued-job caps, the aging time and the tenants' rate limits and token budgets
+(core/limits.py) are worker settings; each worker writes them to
 ``{queue}:tenancy`` when it starts, and the enqueue and claim scripts read them from there, so
 producers need no copy of them (the last worker to start wins if they differ).
 """
@@ -56,6 +57,16 @@ def band_of(priority: Priority | None) -> int:
     return PRIORITIES.index(priority or DEFAULT_PRIORITY)
 
 
+#: Each tenant limit (docs/limits.md) and the prefix of its field in the tenancy hash, where
+#: lua/enqueue.lua reads it: requests and tokens per minute, tokens per UTC day and month.
+LIMIT_FIELDS: dict[str, str] = {
+    "rpm": "rpm:",
+    "tpm": "tpm:",
+    "tokens_per_day": "tpd:",
+    "tokens_per_month": "tpmo:",
+}
+
+
 class Tenancy(BaseModel):
     """The queue's sharing rules, as the workers publish them."""
 
@@ -63,13 +74,27 @@ class Tenancy(BaseModel):
     max_queued: dict[str, int] = Field(default_factory=dict)
     default_weight: float = Field(1.0, gt=0)
     aging_s: float = Field(60.0, ge=0)
+    # Rate limits and token budgets (core/limits.py): tenant -> its limit; unlisted: none.
+    rpm: dict[str, int] = Field(default_factory=dict)
+    tpm: dict[str, int] = Field(default_factory=dict)
+    tokens_per_day: dict[str, int] = Field(default_factory=dict)
+    tokens_per_month: dict[str, int] = Field(default_factory=dict)
+    #: The workers' EDGEQ_MAX_TOKENS: what a chat that sets no max_tokens reserves.
+    max_tokens: int = Field(256, ge=1)
+
+    def limits_of(self, name: str) -> dict[str, int]:
+        """One of LIMIT_FIELDS' limits, tenant -> value."""
+        limits: dict[str, int] = getattr(self, name)
+        return limits
 
     def weight_of(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
 
     @property
     def named_tenants(self) -> list[str]:
-        return sorted({*self.weights, *self.max_queued})
+        return sorted(
+            {*self.weights, *self.max_queued, *(t for n in LIMIT_FIELDS for t in self.limits_of(n))}
+        )
 
 
 async def publish_tenancy(redis: Redis, queue: str, tenancy: Tenancy) -> None:
@@ -78,6 +103,12 @@ async def publish_tenancy(redis: Redis, queue: str, tenancy: Tenancy) -> None:
         "aging_ms": str(int(tenancy.aging_s * 1000)),
         **{f"weight:{tenant}": repr(weight) for tenant, weight in tenancy.weights.items()},
         **{f"max_queued:{tenant}": str(cap) for tenant, cap in tenancy.max_queued.items()},
+        "max_tokens": str(tenancy.max_tokens),
+        **{
+            f"{prefix}{tenant}": str(value)
+            for name, prefix in LIMIT_FIELDS.items()
+            for tenant, value in tenancy.limits_of(name).items()
+        },
     }
     async with redis.pipeline(transaction=True) as pipe:
         pipe.delete(tenancy_key(queue))
@@ -106,6 +137,15 @@ async def read_tenancy(redis: Redis, queue: str) -> Tenancy | None:
         },
         default_weight=float(raw.get("default_weight", "1")),
         aging_s=int(raw.get("aging_ms", "0")) / 1000,
+        max_tokens=int(raw.get("max_tokens", "256")),
+        **{
+            name: {
+                key.removeprefix(prefix): int(value)
+                for key, value in raw.items()
+                if key.startswith(prefix)
+            }
+            for name, prefix in LIMIT_FIELDS.items()
+        },
     )
 
 

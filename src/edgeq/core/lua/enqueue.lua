@@ -1,15 +1,21 @@
--- Enqueue one chat job (producer/queue.py JobQueue.enqueue; needs fair_queuing.lua). Runs in a
--- BatchedScript only (core/batching.py): it keeps what a batch's calls share in `batch`, and
--- wakes the workers once per batch.
+-- Enqueue one chat job (producer/queue.py JobQueue.enqueue; needs clock.lua, fair_queuing.lua
+-- and limits.lua). Runs in a BatchedScript only (core/batching.py): it keeps what a batch's
+-- calls share in `batch`, and wakes the workers once per batch.
 --
 -- KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
 -- queued-by-tenant, aging and tenancy keys (core/scheduling.py), optionally the queue's
--- batch lines (core/keys.py batch_lines_key), and optionally (after the batch lines) the
--- submit's idempotency key (core/keys.py idempotency_key); ARGV: the payload, its TTL (ms),
--- the queue's limit, the job id, the wake channel, the band, the tenant, and with the
--- idempotency key the request's hash and how long the key holds (ms). Returns {Enqueued, the
--- tenant's cap when it is TENANT_FULL, or the job id the idempotency key was given when it is
--- EXISTING or IDEMPOTENCY_CONFLICT}.
+-- batch lines (core/keys.py batch_lines_key), optionally (after the batch lines) the
+-- submit's idempotency key (core/keys.py idempotency_key), and optionally (after that) the
+-- tenant's limits usage hash and the job's reservation key (core/keys.py limits_usage_key,
+-- reservation_key); ARGV: the payload, its TTL (ms), the queue's limit, the job id, the wake
+-- channel, the band, the tenant, with the idempotency key the request's hash and how long the
+-- key holds (ms), and with the limits keys the prompt's estimated tokens and the completion
+-- tokens to reserve (0: the workers' EDGEQ_MAX_TOKENS). A call with the limits keys and no
+-- idempotency key passes any key of the queue's slot (the payload's) as the idempotency key
+-- and an empty hash. Returns {Enqueued, the tenant's cap when it is TENANT_FULL, or the job
+-- id the idempotency key was given when it is EXISTING or IDEMPOTENCY_CONFLICT, or what
+-- limits.lua's admit says when it is RATE_LIMITED}; UNLIMITED_CALLER ({-5}) for a call without
+-- the limits keys for a tenant that has limits.
 --
 -- The idempotency key is looked at first, so a retried submit gets its job's id even when the
 -- queue has filled up since; it is taken only with the enqueue. Calls of one batch run one
@@ -27,7 +33,8 @@ local function per_batch(key, read)
   return batch[key]
 end
 local limit, band, tenant = tonumber(ARGV[3]), tonumber(ARGV[6]), ARGV[7]
-if KEYS[9] then
+local idempotent = KEYS[9] ~= nil and (ARGV[8] or '') ~= ''
+if idempotent then
   local held = redis.call('GET', KEYS[9])
   if held then
     local space = string.find(held, ' ', 1, true)
@@ -50,7 +57,8 @@ end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {-1} end
 local rules = per_batch('tenant:' .. KEYS[7] .. ':' .. tenant, function()
   return redis.call('HMGET', KEYS[7], 'max_queued:' .. tenant, 'weight:' .. tenant,
-    'default_weight', 'aging_ms')
+    'default_weight', 'aging_ms', 'rpm:' .. tenant, 'tpm:' .. tenant, 'tpd:' .. tenant,
+    'tpmo:' .. tenant, 'limits_clock_ms', 'max_tokens')
 end)
 local cap = tonumber(rules[1] or '0')
 if cap > 0 then
@@ -62,12 +70,24 @@ if cap > 0 then
   end
   if queued >= cap then return {-2, cap} end
 end
+-- Rate limits and token budgets last: a chat refused for any other reason counts nowhere.
+local limits = {rules[5], rules[6], rules[7], rules[8], rules[9]}
+if KEYS[10] then
+  local completion = tonumber(ARGV[11])
+  if completion <= 0 then completion = tonumber(rules[10] or '256') end
+  -- Held while the chat may still run: its deadline in the queue, and an hour to answer.
+  local refused = admit(KEYS[10], KEYS[11], limits, tenant, tonumber(ARGV[10]), completion,
+    tonumber(ARGV[2]) + 3600000)
+  if refused then return refused end
+elseif limited(limits) then
+  return {-5}
+end
 local start = join_flow(KEYS[3], band, tenant, weight_from(rules[2], rules[3]))
 redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[1], score_of(band, start), ARGV[4])
 redis.call('HSET', KEYS[4], ARGV[4], band .. ':' .. tenant)
 redis.call('HINCRBY', KEYS[5], tenant, 1)
-if KEYS[9] then redis.call('SET', KEYS[9], ARGV[4] .. ' ' .. ARGV[8], 'PX', ARGV[9]) end
+if idempotent then redis.call('SET', KEYS[9], ARGV[4] .. ' ' .. ARGV[8], 'PX', ARGV[9]) end
 if batch[depth_key] then batch[depth_key] = batch[depth_key] + 1 end
 local aging_ms = tonumber(rules[4] or '0')
 if band > 0 and aging_ms > 0 then

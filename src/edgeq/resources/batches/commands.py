@@ -86,6 +86,13 @@ def _summary(batch: BatchObject) -> str:
     return "\n".join(parts)
 
 
+async def _status(store: BatchStore, tenant: str | None, batch_id: str) -> str:
+    """``edgeq batch status``: the summary, and why its lines wait if they do."""
+    summary = _summary(await store.get_batch(tenant, batch_id))
+    why = await store.waiting(tenant, batch_id)
+    return f"{summary}\n{why}" if why else summary
+
+
 def usage_table(usages: list[TenantUsage], settings: ResourceSettings) -> str:
     """Each tenant's use of Redis against its caps, one line each."""
     files, size = settings.gateway_files_per_tenant, settings.gateway_bytes_per_tenant
@@ -162,7 +169,7 @@ async def _batch(args: argparse.Namespace) -> int:
                     return EXIT_OK if batch.status == "completed" else EXIT_JOB_FAILED
                 return EXIT_OK
             if args.action == "status":
-                print(_summary(await store.get_batch(tenant, args.batch_id)))
+                print(await _status(store, tenant, args.batch_id))
                 return EXIT_OK
             if args.action == "cancel":
                 await store.cancel_batch(tenant, args.batch_id)

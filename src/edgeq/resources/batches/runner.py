@@ -47,6 +47,7 @@ from edgeq.core.keys import (
     events_key,
     tenant_active_batches_key,
 )
+from edgeq.core.limits import RateLimitRefusal, waiting_reason
 from edgeq.core.protocol import ChatResult, ErrorCode
 from edgeq.core.scripts import lua_script
 from edgeq.producer.client import ChatClient
@@ -69,6 +70,9 @@ log = structlog.get_logger("edgeq.batch")
 POLL_S = 0.5
 #: A full queue is tried again after this long.
 QUEUE_FULL_RETRY_S = 0.5
+#: A line its tenant's rate limits or budgets refused is tried again when their window turns,
+#: or after this long at most (a limit raised at run time is noticed that soon).
+LIMITS_RETRY_S = 5.0
 #: A line whose job ended with one of these (its worker died and it could not be continued)
 #: is run again, with a new job, up to this many times.
 RETRIED_CODES = (ErrorCode.WORKER_LOST, ErrorCode.SHUTDOWN)
@@ -112,6 +116,8 @@ class BatchRun:
         # Why the batch stops early ("cancelled", "expired"): the error code of its unfinished
         # lines, and a line's task enqueues nothing more once it is set.
         self.stopping: str | None = None
+        # The record says the lines wait for the tenant's limits (this runner wrote it).
+        self.waiting_for_limits = False
 
     async def run(self) -> None:
         record = await self.store.record(self.batch_id)
@@ -231,27 +237,13 @@ class BatchRun:
             # it). Looked at again after each silence, so a job a Redis restart without AOF
             # lost is enqueued again.
             if not await client.redis.exists(events_key(job_id)):
-                while True:
+                while not await self.enqueue_line(job_id, item):
                     if self.stopping is not None:
                         return JobFailed(
                             job_id,
                             f"batch_{self.stopping}",
                             f"the batch was {self.stopping} before this line ran",
                         )
-                    outcome, _ = await client.queue.enqueue(
-                        job_id,
-                        item.request,
-                        # A line not started when the batch's window ends never starts.
-                        deadline_s=max(1.0, self.expires_at - time.time()),
-                        # Bounded by the batches' own budget instead (take_line), and left
-                        # out of EDGEQ_MAX_QUEUE, which is the other classes' (enqueue.lua).
-                        max_depth=0,
-                        tenant=self.tenant,
-                        priority="batch",
-                    )
-                    if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
-                        break
-                    await asyncio.sleep(QUEUE_FULL_RETRY_S)  # the queue or the tenant is full
             job = await client.attach(job_id)
             try:
                 return await job.result()
@@ -259,6 +251,39 @@ class BatchRun:
                 return error
             except JobTimeout:
                 continue  # queued behind other work: no event yet, keep waiting
+
+    async def enqueue_line(self, job_id: str, item: BatchLine) -> bool:
+        """Enqueue the line's job (True: it is queued, by this call or a runner before us), or
+        wait a little (False) while the queue, the tenant's cap or its rate limits refuse it.
+        A line refused by its tenant's limits is not failed: it waits for their window to
+        turn, and the batch's record says why meanwhile (``waiting``, docs/limits.md)."""
+        if self.stopping is not None:
+            return False
+        outcome, detail = await self.client.queue.enqueue(
+            job_id,
+            item.request,
+            # A line not started when the batch's window ends never starts.
+            deadline_s=max(1.0, self.expires_at - time.time()),
+            # Bounded by the batches' own budget instead (take_line), and left out of
+            # EDGEQ_MAX_QUEUE, which is the other classes' (enqueue.lua).
+            max_depth=0,
+            tenant=self.tenant,
+            priority="batch",
+        )
+        if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
+            if self.waiting_for_limits:
+                self.waiting_for_limits = False
+                await self.store.set_waiting(self.batch_id, None)
+            return True
+        if isinstance(detail, RateLimitRefusal):
+            if not self.waiting_for_limits:
+                self.waiting_for_limits = True
+                await self.store.set_waiting(self.batch_id, waiting_reason(self.tenant, detail))
+            # Tried again when its window turns, or sooner: a limit raised meanwhile.
+            await asyncio.sleep(min(max(detail.reset_s, QUEUE_FULL_RETRY_S), LIMITS_RETRY_S))
+            return False
+        await asyncio.sleep(QUEUE_FULL_RETRY_S)  # the queue or the tenant is full
+        return False
 
     async def record(
         self, line: int, item: BatchLine, job_id: str, outcome: ChatResult | JobFailed

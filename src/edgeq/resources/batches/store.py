@@ -837,6 +837,24 @@ class BatchStore:
             raise not_found("batch", batch_id)
         return BatchRecord.from_hash(fields).shown(completed, failed)
 
+    async def set_waiting(self, batch_id: str, why: str | None) -> None:
+        """Say why a running batch's lines wait (its tenant's limits: docs/limits.md), or
+        that they no longer do (None)."""
+        if why is None:
+            await self.redis.hdel(batch_key(self.queue, batch_id), "waiting")
+        else:
+            await self.redis.hset(batch_key(self.queue, batch_id), "waiting", why)
+
+    async def waiting(self, tenant: str | None, batch_id: str) -> str | None:
+        """Why the batch's lines wait, if they do (``set_waiting``); None for a batch that
+        ended, or another tenant's."""
+        fields = await self.redis.hmget(batch_key(self.queue, batch_id), "tenant", "waiting",
+                                        "status")  # fmt: skip
+        owner, why, status = (value.decode() if value else None for value in fields)
+        if owner != self.tenant_of(tenant) or why is None or status in FINAL_STATUSES:
+            return None
+        return why
+
     async def record(self, batch_id: str) -> BatchRecord | None:
         """A batch's record, whoever owns it (the runner's view); None if it is gone."""
         fields = await self.redis.hgetall(batch_key(self.queue, batch_id))

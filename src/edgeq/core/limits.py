@@ -1,0 +1,193 @@
+"""Tenants' rate limits and token budgets, enforced at the door (docs/limits.md).
+
+Four limits per tenant, each a worker setting published to the queue's tenancy hash
+(core/scheduling.py ``Tenancy``) and changeable there at run time (``edgeq tenants limits``):
+requests per minute (``rpm``), tokens per minute (``tpm``), tokens per UTC day and per UTC
+month. A tenant with none set is not counted at all.
+
+- **Admission** is part of the enqueue script (lua/enqueue.lua with lua/limits.lua), in the
+  same Redis step as the queue's own checks: a burst of submits can never pass a limit. A chat
+  costs one request and its tokens: its prompt, estimated (``estimate_prompt_tokens``), and
+  its whole ``max_tokens`` (the workers' EDGEQ_MAX_TOKENS when it sets none), reserved at once.
+- **Settlement**, when the job ends (``settle``, called by the worker after its terminal
+  write): the reservation is replaced by what the chat used, the exact prompt and the
+  completion tokens it produced, in every window it was admitted in that is still current.
+
+Windows are fixed, on Redis's clock: the UTC minute, day and calendar month.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from redis.asyncio import Redis
+
+from edgeq.core.connection import REDIS_ERRORS
+from edgeq.core.keys import limits_usage_key, reservation_key, tenancy_key
+from edgeq.core.protocol import DoneEvent, dump_json
+from edgeq.core.scheduling import LIMIT_FIELDS
+from edgeq.core.scripts import lua_script, registered
+
+_SETTLE = lua_script("settle")
+
+#: A prompt's tokens are estimated at admission as one per this many characters of its
+#: messages (and tools) as JSON: OpenAI's rule of thumb for English. The settlement replaces
+#: the estimate by the engine's exact count.
+CHARS_PER_TOKEN = 4
+
+LimitName = Literal["rpm", "tpm", "tokens_per_day", "tokens_per_month"]
+#: Which limit refused a chat (the enqueue's reply; OpenAI's words for the first two).
+Refusal = Literal["requests", "tokens", "tokens_per_day", "tokens_per_month"]
+#: Which setting each refusal comes from.
+SETTING_OF: dict[str, str] = {
+    "requests": "EDGEQ_TENANT_RPM",
+    "tokens": "EDGEQ_TENANT_TPM",
+    "tokens_per_day": "EDGEQ_TENANT_TOKENS_PER_DAY",
+    "tokens_per_month": "EDGEQ_TENANT_TOKENS_PER_MONTH",
+}
+
+
+def estimate_prompt_tokens(request: Mapping[str, Any]) -> int:
+    """A chat's prompt tokens as admission counts them: its messages' and tools' JSON
+    characters over CHARS_PER_TOKEN, rounded up (at least 1)."""
+    counted = {key: request[key] for key in ("messages", "tools") if key in request}
+    return max(1, math.ceil(len(dump_json(counted)) / CHARS_PER_TOKEN))
+
+
+class RateLimitRefusal(BaseModel):
+    """Why a chat was refused at the door, with what OpenAI's rate-limit headers say."""
+
+    limit: Refusal
+    value: int = Field(ge=0, description="the limit that refused it")
+    remaining: int = Field(ge=0, description="what is left of it in its window")
+    reset_s: float = Field(ge=0, description="until its window turns")
+    # The minute's two limits whichever refused (0: not set).
+    requests_limit: int = Field(ge=0)
+    requests_remaining: int = Field(ge=0)
+    tokens_limit: int = Field(ge=0)
+    tokens_remaining: int = Field(ge=0)
+    minute_reset_s: float = Field(ge=0)
+
+    @classmethod
+    def from_reply(cls, reply: Sequence[Any]) -> RateLimitRefusal:
+        """The enqueue script's RATE_LIMITED reply (lua/limits.lua admit), after its code."""
+        which = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        numbers = [int(value) for value in reply[1:]]
+        return cls(
+            limit=which,  # type: ignore[arg-type]
+            value=numbers[0],
+            remaining=numbers[1],
+            reset_s=numbers[2] / 1000,
+            requests_limit=numbers[3],
+            requests_remaining=numbers[4],
+            tokens_limit=numbers[5],
+            tokens_remaining=numbers[6],
+            minute_reset_s=numbers[7] / 1000,
+        )
+
+    @property
+    def setting(self) -> str:
+        return SETTING_OF[self.limit]
+
+
+def waiting_reason(tenant: str, refusal: RateLimitRefusal) -> str:
+    """What a batch whose lines this refusal holds back says while they wait."""
+    until = datetime.now(UTC) + timedelta(seconds=refusal.reset_s)
+    return (
+        f"lines wait: tenant {tenant}'s {refusal.limit.replace('_', ' ')} limit "
+        f"({refusal.value}, {refusal.setting}) is spent until {until:%Y-%m-%d %H:%M:%S} UTC"
+    )
+
+
+async def set_limit(
+    redis: Redis, queue: str, tenant: str, name: LimitName, value: int
+) -> None:
+    """Change one tenant's limit at run time (0: none). Until a worker starts again, which
+    publishes its own settings over it."""
+    field = f"{LIMIT_FIELDS[name]}{tenant}"
+    if value > 0:
+        await redis.hset(tenancy_key(queue), field, str(value))
+    else:
+        await redis.hdel(tenancy_key(queue), field)
+
+
+async def settle(
+    redis: Redis,
+    queue: str,
+    job_id: str,
+    tenant: str,
+    *,
+    completion_tokens: int,
+    prompt_tokens: int | None,
+) -> int:
+    """Replace an ended job's reservation by what it used (lua/settle.lua): ``prompt_tokens``
+    None keeps the estimate. Returns the tokens given back (negative: charged more); 0 for a
+    job with nothing reserved or already settled."""
+    script = registered(redis, _SETTLE)
+    back = await script(
+        keys=[reservation_key(queue, job_id), limits_usage_key(queue, tenant)],
+        args=[completion_tokens, -1 if prompt_tokens is None else prompt_tokens, tenant],
+    )
+    return int(back)
+
+
+async def settle_ended(
+    redis: Redis, queue: str, job_id: str, tenant: str, events: Sequence[Any]
+) -> None:
+    """Settle a job that ended, from its events (the worker's, after its terminal write): a
+    ``done`` event's usage; any other end, its estimated prompt and no completion tokens.
+    Redis being away leaves the reservation to expire (the tokens stay counted)."""
+    last = events[-1] if events else None
+    usage = last.usage if isinstance(last, DoneEvent) else None
+    with contextlib.suppress(*REDIS_ERRORS):
+        await settle(
+            redis,
+            queue,
+            job_id,
+            tenant,
+            completion_tokens=usage.completion_tokens if usage is not None else 0,
+            prompt_tokens=usage.prompt_tokens if usage is not None else None,
+        )
+
+
+class TenantUsage(BaseModel):
+    """What a limited tenant has used in the current windows (counted as admission counts:
+    reservations not settled yet included)."""
+
+    requests_this_minute: int = 0
+    tokens_this_minute: int = 0
+    tokens_today: int = 0
+    tokens_this_month: int = 0
+
+
+def windows_at(now_ms: int) -> tuple[int, int, int]:
+    """The minute, day and month ``now_ms`` is in, numbered as lua/limits.lua numbers them."""
+    moment = datetime.fromtimestamp(now_ms / 1000, UTC)
+    return now_ms // 60_000, now_ms // 86_400_000, moment.year * 12 + moment.month - 1
+
+
+async def read_usage(redis: Redis, queue: str, tenant: str) -> TenantUsage:
+    """The tenant's usage now (Redis's clock, or the tenancy hash's frozen one)."""
+    frozen = await redis.hget(tenancy_key(queue), "limits_clock_ms")
+    if frozen is not None:
+        now_ms = int(frozen)
+    else:
+        seconds, micros = await redis.time()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+    raw = {
+        key.decode(): int(float(value))
+        for key, value in (await redis.hgetall(limits_usage_key(queue, tenant))).items()
+    }
+    minute, day, month = windows_at(now_ms)
+    same_minute = raw.get("minute") == minute
+    return TenantUsage(
+        requests_this_minute=raw.get("requests", 0) if same_minute else 0,
+        tokens_this_minute=raw.get("tokens", 0) if same_minute else 0,
+        tokens_today=raw.get("day_tokens", 0) if raw.get("day") == day else 0,
+        tokens_this_month=raw.get("month_tokens", 0) if raw.get("month") == month else 0,
+    )
