@@ -31,11 +31,11 @@ def test_defaults_are_the_documented_ones() -> None:
     assert settings.enable_thinking is False
 
 
-def test_arq_max_jobs_follows_the_engine_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_job_slots_follow_the_engine_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGEQ_MAX_NUM_SEQS", "96")
-    assert load_settings(WorkerSettings).arq_max_jobs == 96
+    assert load_settings(WorkerSettings).job_slots == 96
     monkeypatch.setenv("EDGEQ_MAX_JOBS", "100")
-    assert load_settings(WorkerSettings).arq_max_jobs == 100
+    assert load_settings(WorkerSettings).job_slots == 100
 
 
 def test_dot_env_is_read(tmp_path: Path) -> None:

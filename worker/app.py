@@ -90,7 +90,7 @@ def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
         running_by_tenant=running_by_tenant(state),
         adapters=state.adapters.names if state.adapters else [],
         adapters_refused=dict(state.adapters.refused if state.adapters else state.adapters_refused),
-        max_jobs=settings.arq_max_jobs,
+        max_jobs=settings.job_slots,
         metrics_port=settings.metrics_port or None,
         started_at=state.started_at,
         heartbeat_at=now_s,
@@ -240,7 +240,7 @@ async def start_engine(
         model=settings.model,
         queue=settings.queue,
         max_model_len=engine.max_model_len,
-        max_jobs=settings.arq_max_jobs,
+        max_jobs=settings.job_slots,
         device=state.device,
         adapters=state.adapters.names if state.adapters else None,
         metrics_port=settings.metrics_port or None,
@@ -280,8 +280,8 @@ def loop_config(settings: WorkerSettings) -> LoopConfig:
     may_run_ms = int((settings.job_timeout_s + JOB_TIMEOUT_MARGIN_S) * 1000)
     return LoopConfig(
         queue=settings.queue,
-        max_jobs=settings.arq_max_jobs,
-        reserved_slots=settings.arq_reserved_slots,
+        max_jobs=settings.job_slots,
+        reserved_slots=settings.job_slots_reserved,
         poll_delay_s=settings.poll_delay_ms / 1000,
         lease_ttl_ms=int(settings.lease_ttl_s * 1000),
         in_progress_ttl_ms=may_run_ms,

@@ -241,10 +241,10 @@ class WorkerSettings(ConnectionSettings):
             for tenant, cap in limits.items():
                 if cap != int(cap) or cap < 1:
                     raise ValueError(f"EDGEQ_{name.upper()}: {tenant}'s value is not a count > 0")
-        if self.reserved_slots is not None and self.reserved_slots >= self.arq_max_jobs:
+        if self.reserved_slots is not None and self.reserved_slots >= self.job_slots:
             raise ValueError(
                 f"EDGEQ_RESERVED_SLOTS ({self.reserved_slots}) must be below "
-                f"EDGEQ_MAX_JOBS ({self.arq_max_jobs}), or no batch job could ever run"
+                f"EDGEQ_MAX_JOBS ({self.job_slots}), or no batch job could ever run"
             )
         return self
 
@@ -304,12 +304,14 @@ class WorkerSettings(ConnectionSettings):
         )
 
     @property
-    def arq_reserved_slots(self) -> int:
+    def job_slots_reserved(self) -> int:
+        """Of ``job_slots``, how many batch jobs never take (EDGEQ_RESERVED_SLOTS)."""
         if self.reserved_slots is not None:
             return self.reserved_slots
-        return self.arq_max_jobs // 4
+        return self.job_slots // 4
 
     @property
-    def arq_max_jobs(self) -> int:
-        """arq's concurrency: by default the engine's batch, so the queue never starves it."""
+    def job_slots(self) -> int:
+        """How many jobs the worker runs at once (EDGEQ_MAX_JOBS): by default the engine's batch,
+        so the queue never starves it."""
         return self.max_jobs if self.max_jobs is not None else self.max_num_seqs
