@@ -98,6 +98,25 @@ def test_each_part_imports_only_what_the_data_flow_allows(part: str) -> None:
     assert not {file: names for file, names in broken.items() if names}
 
 
+#: The modules that import arq: its job records (arq_seam), its key prefixes (keys) and its
+#: Redis client class (connection). Everything else goes through them (docs/development.md).
+IMPORTS_ARQ = {
+    "worker/arq_seam.py",
+    "src/edgeq/core/keys.py",
+    "src/edgeq/core/connection.py",
+}
+
+
+def test_only_three_modules_import_arq() -> None:
+    importers = {
+        file
+        for part in PARTS
+        for file, names in imported_by(part).items()
+        if any(name == "arq" or name.startswith("arq.") for name in names)
+    }
+    assert importers == IMPORTS_ARQ
+
+
 def circles(graph: Mapping[str, Set[str]]) -> list[list[str]]:
     """The groups of nodes of ``graph`` (node -> the nodes it imports) that reach each other:
     each group is a circle of imports, or several that share modules."""

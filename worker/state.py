@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from arq.connections import ArqRedis
+from redis.asyncio import Redis
 
 from edgeq.core.events import EventLog
 from edgeq.worker.engine_api import Engine
@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # imports vLLM
 @dataclass
 class WorkerState:
     settings: WorkerSettings
-    redis: ArqRedis
+    redis: Redis  # core/connection.make_redis's
     events: EventLog
     metrics: WorkerMetrics
     #: Jobs finished in the last EDGEQ_REFILL_WINDOW_S, to write again into a Redis that came

@@ -46,8 +46,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from arq.constants import in_progress_key_prefix
-
 from edgeq.core.connection import redis_errors
 from edgeq.core.errors import (
     EdgeqError,
@@ -57,7 +55,7 @@ from edgeq.core.errors import (
     StreamBroken,
 )
 from edgeq.core.events import read_events
-from edgeq.core.keys import leases_key, result_key
+from edgeq.core.keys import in_progress_key, leases_key, result_key
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, StreamEvent
 from edgeq.exit_codes import EXIT_ENGINE_STALLED
 from edgeq.testing.link import LinkProxy
@@ -981,9 +979,10 @@ class Campaign:
         redis = client.redis
         queued = [f"queued {j.decode()}" for j in await redis.zrange(QUEUE, 0, -1)]
         leased = [f"leased {j.decode()}" for j in await redis.zrange(leases_key(QUEUE), 0, -1)]
+        prefix = in_progress_key("")  # arq's in-progress keys, as core/keys.py names them
         marked = [
-            f"in progress {key.decode().removeprefix(in_progress_key_prefix)}"
-            async for key in redis.scan_iter(match=f"{in_progress_key_prefix}*", count=1000)
+            f"in progress {key.decode().removeprefix(prefix)}"
+            async for key in redis.scan_iter(match=f"{prefix}*", count=1000)
         ]
         return queued + leased + marked
 
