@@ -161,7 +161,9 @@ class ProcessedEngine(ChatEngine):
     gpu: GpuRate
 
     @classmethod
-    async def start(cls, settings: WorkerSettings, *, gpu: GpuRate | None = None) -> Any:
+    async def start(
+        cls, settings: WorkerSettings, *, gpu: GpuRate | None = None
+    ) -> ProcessedEngine:
         rate = gpu or GpuRate()
         made: list[SimulatedCore] = []
 
@@ -174,6 +176,7 @@ class ProcessedEngine(ChatEngine):
             EngineCoreClient, "make_async_mp_client", staticmethod(simulated_client)
         ):
             engine = await super().start(settings)
+        assert isinstance(engine, ProcessedEngine)  # ChatEngine.start builds a ``cls``
         engine.core, engine.gpu = made[0], rate
         return engine
 
