@@ -23,12 +23,13 @@ import asyncio
 import json
 import multiprocessing
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,10 @@ class CapacityPlan:
     warmup_s: float
     window_s: float
     rounds: int
+    #: Boxes run vLLM's own output processing on the model's tokenizer (edgeq.bench.vllm_output)
+    #: instead of the stand-in that skips it; ``model`` is that tokenizer's model directory.
+    vllm_output: bool = False
+    model: str | None = None
 
     def configurations(self) -> list[tuple[int, float]]:
         return [(boxes, interval) for interval in self.interval_ms for boxes in self.boxes]
@@ -95,6 +100,7 @@ class CapacityRow:
     redis_cpu_us_per_event: float
     machine_cpu_percent: float
     box_cpu_percent: float  # the busiest box's process (100 = one core)
+    box_cpu_us_per_token: float  # all boxes' CPU over the tokens the subscribers got
     subscriber_cpu_percent: float  # the busiest subscriber process
     connections: int
     memory_mb: float
@@ -111,6 +117,19 @@ class CapacityRow:
 def _last_stamp(text: str) -> float:
     """The time the newest token of a delta was made (its last stamp, edgeq.bench.simulate)."""
     return float(text.rstrip().rsplit(" ", 1)[-1])
+
+
+#: The marks edgeq.bench.vllm_output appends to each output's real text: ``|tokens@made|``.
+MARK = re.compile(r"\|(\d+)@(\d+\.\d+)\|")
+
+
+def delta_tokens(text: str) -> tuple[int, float]:
+    """A delta's tokens and the time its newest was made, from either stand-in's text: marks
+    (vLLM's output processing) or one stamp per output after "x " per token."""
+    marks = MARK.findall(text)
+    if marks:
+        return sum(int(tokens) for tokens, _ in marks), float(marks[-1][1])
+    return text.count(" "), _last_stamp(text)
 
 
 @dataclass(frozen=True)
@@ -141,9 +160,10 @@ async def _follow(plan: SubscriberPlan) -> SubscriberReport:
                 if not start <= now < end:
                     continue
                 if isinstance(event, DeltaEvent):
+                    tokens, made_s = delta_tokens(event.text)
                     report.deltas += 1
-                    report.tokens += event.text.count(" ")
-                    report.latencies_s.append(now - _last_stamp(event.text))
+                    report.tokens += tokens
+                    report.latencies_s.append(now - made_s)
                 else:
                     report.terminals += 1
                     if isinstance(event, ErrorEvent):
@@ -216,6 +236,17 @@ def _percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
+def _box(plan: CapacityPlan, env: dict[str, str], log: Path, gpu: GpuRate) -> WorkerProcess:
+    """A simulated box, not started: with ``vllm_output``, AsyncLLM's real output processing on
+    the model's tokenizer around the simulated core."""
+    if not plan.vllm_output:
+        return worker_process(env, log, gpu)
+    env = {**env, "EDGEQ_MODEL": str(plan.model)}
+    return WorkerProcess(
+        env, log, command="simulate-box", args=(*gpu.box_args(), "--vllm-output")
+    )
+
+
 def measure_configuration(
     plan: CapacityPlan, boxes: int, interval_ms: float, round_: int, scratch: Path
 ) -> CapacityRow:
@@ -238,7 +269,7 @@ def measure_configuration(
         gpu = GpuRate(step_ms=plan.step_ms, prefill_ms=plan.prefill_ms)
         for n in range(boxes):
             log = scratch / f"round{round_}-boxes{boxes}-i{interval_ms:g}-box{n}.log"
-            worker = worker_process(env, log, gpu)
+            worker = _box(plan, env, log, gpu)
             workers.append(worker.start())
         for worker in workers:
             worker.wait_ready(BOX_READY_TIMEOUT_S)
@@ -283,6 +314,7 @@ def measure_configuration(
         redis_cpu_s = _redis_cpu_s(after) - _redis_cpu_s(before)
         latencies = [value for report in reports for value in report.latencies_s]
         delivered = sum(report.tokens for report in reports) / plan.window_s
+        box_cpu_s = sum(cpu_after[0]) - sum(cpu_before[0])
         planned = plan.planned_tokens_per_s(boxes)
         return CapacityRow(
             boxes=boxes,
@@ -295,6 +327,9 @@ def measure_configuration(
                 100 * (busy_after[0] - busy_before[0]) / (busy_after[1] - busy_before[1]), 1
             ),
             box_cpu_percent=_busiest_percent(cpu_before[0], cpu_after[0], plan.window_s),
+            box_cpu_us_per_token=round(1e6 * box_cpu_s / (delivered * plan.window_s), 2)
+            if delivered
+            else 0.0,
             subscriber_cpu_percent=_busiest_percent(cpu_before[1], cpu_after[1], plan.window_s),
             connections=int(after["connected_clients"]),
             memory_mb=round((int(after["used_memory"]) - baseline_memory) / 2**20, 1),
@@ -324,6 +359,7 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("redis_cpu_us_per_event", "Redis CPU µs/event"),
     ("machine_cpu_percent", "machine CPU %"),
     ("box_cpu_percent", "busiest box CPU %"),
+    ("box_cpu_us_per_token", "box CPU µs/token"),
     ("subscriber_cpu_percent", "busiest subscriber CPU %"),
     ("connections", "connections"),
     ("memory_mb", "Redis memory MB"),
@@ -364,7 +400,9 @@ def format_summary(plan: CapacityPlan, rows: Sequence[CapacityRow]) -> str:
         *(f"{boxes} box(es), {interval:g} ms" for boxes, interval in configurations),
     ]
     lines = [
-        f"{plan.streams} streams/box, {plan.step_ms:g} ms/step, first token after "
+        ("boxes with vLLM's output processing on the model's tokenizer, " if plan.vllm_output
+         else "")
+        + f"{plan.streams} streams/box, {plan.step_ms:g} ms/step, first token after "
         f"{plan.prefill_ms:g} ms, {plan.max_tokens} tokens/chat, window {plan.window_s:g} s, "
         f"{plan.rounds} round(s): median [min-max]",
         " | ".join(header),
@@ -407,12 +445,20 @@ def run_capacity_command(args: Any) -> int:
         warmup_s=args.warmup_s,
         window_s=args.window_s,
         rounds=args.rounds,
+        vllm_output=args.vllm_output,
+        model=str(args.model) if args.model else None,
     )
 
     def say(message: str) -> None:
         print(f"edgeq capacity: {message}", file=sys.stderr, flush=True)
 
-    rows = run_capacity(plan, say=say, scratch=args.logs)
+    with tempfile.TemporaryDirectory(prefix="edgeq-capacity-model-") as models:
+        if plan.vllm_output and plan.model is None:
+            # Its tokenizer is what the boxes' detokenizer runs; the weights are never loaded.
+            from edgeq.testing.tiny_model import make_tiny_model
+
+            plan = replace(plan, model=str(make_tiny_model(Path(models) / "tiny").directory))
+        rows = run_capacity(plan, say=say, scratch=args.logs)
     print(format_summary(plan, rows))
     if args.out:
         args.out.write_text(

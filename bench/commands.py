@@ -89,9 +89,12 @@ def run_simulated_box_command(args: argparse.Namespace) -> int:
     def simulated_engine() -> Any:
         from edgeq.bench.simulate import GpuRate, SimulatedEngine
 
-        return partial(
-            SimulatedEngine.start, gpu=GpuRate(step_ms=args.step_ms, prefill_ms=args.prefill_ms)
-        )
+        gpu = GpuRate(step_ms=args.step_ms, prefill_ms=args.prefill_ms)
+        if args.vllm_output:
+            from edgeq.bench.vllm_output import ProcessedEngine
+
+            return partial(ProcessedEngine.start, gpu=gpu)
+        return partial(SimulatedEngine.start, gpu=gpu)
 
     return run_worker_command(env_file=args.env_file, engine_starter=simulated_engine)
 
@@ -105,6 +108,15 @@ def _gpu_rate_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-ms", type=float, default=30.0, help="chat taken → first token (default: 30)"
+    )
+
+
+def _vllm_output_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vllm-output",
+        action="store_true",
+        help="simulate only vLLM's engine core: the worker runs AsyncLLM's real output "
+        "processing (detokenizing, RequestOutputs) on the model's tokenizer (EDGEQ_MODEL)",
     )
 
 
@@ -137,6 +149,13 @@ def _register_capacity(commands: argparse._SubParsersAction) -> None:
         "--window-s", type=float, default=20.0, help="measured window (default: 20)"
     )
     capacity.add_argument("--rounds", type=int, default=1, help="alternating rounds (default: 1)")
+    _vllm_output_option(capacity)
+    capacity.add_argument(
+        "--model",
+        type=Path,
+        help="with --vllm-output: the model whose tokenizer the boxes detokenize with "
+        "(default: the generated tiny model)",
+    )
     capacity.add_argument("--out", type=Path, help="write every round's figures here (JSON)")
     capacity.add_argument("--logs", type=Path, help="keep the boxes' logs here")
     capacity.add_argument(
@@ -159,6 +178,7 @@ def _register_capacity(commands: argparse._SubParsersAction) -> None:
     )
     box.add_argument("--env-file", type=Path, help="read settings from this file too")
     _gpu_rate_options(box)
+    _vllm_output_option(box)
     box.set_defaults(handler=run_simulated_box_command)
 
 
