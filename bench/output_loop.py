@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from edgeq.core.events import AnyEvent, Published
+from edgeq.core.ledger import LedgerScope
 from edgeq.core.protocol import ChatMessage, ChatRequest
 from edgeq.worker import jobs
 from edgeq.worker.metrics import WorkerMetrics
@@ -65,7 +66,12 @@ class _NoStore:
     """An event log that takes every event and stores nothing (one listener each)."""
 
     async def append_many(
-        self, events: list[AnyEvent], *, at_seq: bool = False, tenant: str | None = None
+        self,
+        events: list[AnyEvent],
+        *,
+        at_seq: bool = False,
+        tenant: str | None = None,
+        ledger: LedgerScope | None = None,
     ) -> list[Published]:
         return [Published(seq=event.seq, listeners=1) for event in events]
 
