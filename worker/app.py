@@ -324,7 +324,6 @@ def build_worker(
         events=state.events,
         deserializer=load_job,
         serializer=dump_json,
-        not_finished_here=state.not_finished_here,
         recent=state.recent,
         count_not_started=metrics.job_ended,
         may_claim=lambda: state.stalled_since is None and not state.engine_died,

@@ -32,7 +32,7 @@ from edgeq.core.ledger import LedgerScope
 from edgeq.core.limits import settle_ended
 from edgeq.core.protocol import ErrorCode, Usage
 from edgeq.worker.chat_run import ChatRun
-from edgeq.worker.lifecycle import StartedJob
+from edgeq.worker.lifecycle import NotFinishedHere, StartedJob
 from edgeq.worker.outcomes import Ending, JobRefused, job_failure
 from edgeq.worker.publisher import RedisAway, StreamPublisher
 from edgeq.worker.state import WorkerState
@@ -51,6 +51,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
     usage: Usage | None = None
+    finished_here = True  # else it ends (and counts) elsewhere
     try:
         async with asyncio.timeout(state.settings.job_timeout_s):
             result = await run.run(payload)
@@ -60,13 +61,20 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     except (Exception, asyncio.CancelledError) as error:
         ending = job_failure(error, state.settings, draining=state.draining.is_set())
         outcome = ending.code.value
-        failure = await _end_with(run.publisher, ending, error, state)
-        if isinstance(error, asyncio.CancelledError | EngineDeadError):
+        # Decided before any await: a job cut short while it ends keeps it too.
+        finished_here = _finished_here(error)
+        try:
+            failure = await _end_with(run.publisher, ending, error, state)
+        finally:
+            if not finished_here:  # the loop leaves its records alone (worker/lifecycle.py)
+                cause = error if isinstance(error, EngineDeadError) else None
+                raise NotFinishedHere(job.job_id, cause=cause) from error
+        if isinstance(error, asyncio.CancelledError):
             raise
         return failure
     finally:
         state.metrics.job_ended(outcome, e2e_s=e2e_s)
-        if job.job_id not in state.not_finished_here:  # else it ends (and counts) elsewhere
+        if finished_here:
             await _settle(state, job.job_id, payload.tenant, run.publisher, outcome, usage)
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take
@@ -112,6 +120,15 @@ async def _settle(
     await settle_ended(state.redis, state.settings.queue, job_id, tenant, publisher.stored)
 
 
+def _finished_here(error: BaseException) -> bool:
+    """Whether a job that failed with ``error`` ends here. Not when another run of it took
+    its stream (the records are that run's), when it was given up with Redis away (its
+    lease's expiry, once Redis is back, continues it or ends it worker_lost: finished here,
+    it was gone with no end for its client to see, #34), or when its engine died (it is
+    handed over, and its records stay for the next run)."""
+    return not isinstance(error, StreamTaken | RedisAway | EngineDeadError)
+
+
 # Causes whose error event says all there is (job_failed logs it): no traceback for them.
 _ENDINGS_LOGGED_ELSEWHERE = (JobRefused, TimeoutError, asyncio.CancelledError, EngineDeadError)
 
@@ -126,8 +143,6 @@ async def _end_with(
         # it over (we were thought dead): the generation was abandoned, which aborted its
         # engine request.
         taken = isinstance(error, StreamTaken)
-        if taken:
-            state.not_finished_here.add(publisher.job_id)  # the records are the other run's
         log.info(
             "job_stopped",
             reason="another run of the job took its stream"
@@ -136,10 +151,7 @@ async def _end_with(
             engine_unfinished_requests=state.ready_engine.unfinished_requests(),
         )
     elif isinstance(error, RedisAway):
-        # No terminal event could go out: the records and the lease stay, and the lease's
-        # expiry, once Redis is back, continues the job or ends it worker_lost. Finished
-        # here, the job was gone with no end for its client to see (#34, the CI campaign).
-        state.not_finished_here.add(publisher.job_id)
+        # No terminal event could go out: the records and the lease stay (_finished_here).
         log.warning("job_abandoned", reason=ending.message)
     elif not isinstance(error, _ENDINGS_LOGGED_ELSEWHERE):
         log.exception("job_error")
@@ -159,7 +171,6 @@ async def _hand_over_from_dead_engine(state: WorkerState, job_id: str) -> None:
     death is counted on it first (a job at two is quarantined, core/leases.py), and its
     lease let run out at once, so the next keep-alive round anywhere hands it over."""
     state.running.pop(job_id, None)  # no renewal after the expiry below
-    state.not_finished_here.add(job_id)  # its records stay for the next run
     with contextlib.suppress(*REDIS_ERRORS):  # else its lease runs out by itself
         await hand_over_after_engine_failure(state.redis, state.settings.queue, [job_id])
 

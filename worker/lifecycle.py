@@ -20,10 +20,10 @@
   event here (worker/outcomes.py, ``NotStarted``).
 - **Finish.** The job function publishes the stream's terminal event itself; the loop then
   writes arq's result and removes the job's records and its lease in one step
-  (worker/arq_seam.py), unless they are not this run's (``not_finished_here``): another run
-  of the job took its stream over, or the job was given up with Redis away, and its lease's
-  expiry continues it. Records Redis could not take keep their lease, whose expiry finishes
-  them.
+  (worker/arq_seam.py), unless they are not this run's (the job function raises
+  ``NotFinishedHere``): another run of the job took its stream over, the job was given up
+  with Redis away, or its engine died, and its lease's expiry continues it. Records Redis
+  could not take keep their lease, whose expiry finishes them.
 - **Drain.** A signal stops the claims; running jobs get the drain time to finish, then their
   tasks are cancelled (the job function ends them with ``shutdown``).
 """
@@ -89,6 +89,20 @@ class StartedJob:
 JobFunction = Callable[[StartedJob], Awaitable[Any]]
 
 
+class NotFinishedHere(Exception):
+    """Raised by a job function whose job's records (arq's, and the lease) this run must leave
+    alone: another run of the job took its stream (this worker was thought dead and the job
+    was handed over), it was given up with Redis away past EDGEQ_REDIS_OUTAGE_S, or its engine
+    died and it was handed over; its lease's expiry is to continue it (docs/guarantees.md).
+    The loop then writes no result and removes nothing."""
+
+    def __init__(self, job_id: str, *, cause: BaseException | None = None) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+        #: A failure the loop logs as the job's own (``job_raised``): a dead engine.
+        self.cause = cause
+
+
 @dataclass(frozen=True, slots=True)
 class LoopConfig:
     """How the loop claims and keeps jobs (the worker fills it from its settings)."""
@@ -126,8 +140,6 @@ class JobLoop:
     events: EventLog
     deserializer: Deserializer
     serializer: Serializer
-    #: Jobs whose records this run leaves alone (the job function says which: WorkerState).
-    not_finished_here: set[str] = field(default_factory=set)
     #: Where finished jobs' records are kept a while, to write again into a Redis that came
     #: back without them (worker/refill.py); None: not kept.
     recent: RecentFinishes | None = None
@@ -255,6 +267,11 @@ class JobLoop:
         try:
             async with asyncio.timeout(self.config.job_timeout_s):
                 result, success = await self.run_job(started), True
+        except NotFinishedHere as left:  # its records are another run's: leave them
+            if left.cause is not None:
+                log.error("job_raised", job_id=job.job_id, error=type(left.cause).__name__)
+            self._aborting.discard(job.job_id)
+            return
         except (Exception, asyncio.CancelledError) as error:
             # An abort, the backstop timeout, a failure or the drain: the job function has
             # ended its stream already; the error is the arq result, as arq records it.
@@ -262,9 +279,6 @@ class JobLoop:
                 log.error("job_raised", job_id=job.job_id, error=type(error).__name__)
             self._aborting.discard(job.job_id)
             result, success = error, False
-        if job.job_id in self.not_finished_here:
-            self.not_finished_here.discard(job.job_id)
-            return
         await asyncio.shield(self._finish(job, record, started.job_try, success, result,
                                           started_ms))  # fmt: skip
 

@@ -33,11 +33,6 @@ class WorkerState:
     started_at: float
     #: The jobs running now (id -> tenant): their leases are renewed, their count reported.
     running: dict[str, str] = field(default_factory=dict)
-    #: Jobs whose records (arq's, and the lease) this run leaves alone: another run of them
-    #: took their stream (this worker was thought dead and the job was handed over), or they
-    #: were given up with Redis away past EDGEQ_REDIS_OUTAGE_S, and their lease's expiry is
-    #: to continue them (docs/guarantees.md).
-    not_finished_here: set[str] = field(default_factory=set)
     #: Set on SIGTERM: jobs cut short by the drain end with ``shutdown``, not ``cancelled``.
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once the engine is built and warm (app.start_engine); cleared on shutdown.
