@@ -47,7 +47,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     payload: JobPayload = job.payload
     structlog.contextvars.bind_contextvars(job_id=job.job_id)
     run = await _chat_run(state, job)
-    state.running[job.job_id] = payload.tenant
+    state.running.serving(job.job_id, payload.tenant)
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
     usage: Usage | None = None
@@ -79,7 +79,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take
         # (an outage at the job's end) in the queue and in progress for good (#34).
-        state.running.pop(job.job_id, None)
+        state.running.served(job.job_id)
         structlog.contextvars.unbind_contextvars("job_id")
 
 
@@ -170,7 +170,7 @@ async def _hand_over_from_dead_engine(state: WorkerState, job_id: str) -> None:
     a killed worker's, and not ended: the chat most likely did not kill the engine. The
     death is counted on it first (a job at two is quarantined, core/leases.py), and its
     lease let run out at once, so the next keep-alive round anywhere hands it over."""
-    state.running.pop(job_id, None)  # no renewal after the expiry below
+    state.running.served(job_id)  # no renewal after the expiry below
     with contextlib.suppress(*REDIS_ERRORS):  # else its lease runs out by itself
         await hand_over_after_engine_failure(state.redis, state.settings.queue, [job_id])
 

@@ -63,6 +63,7 @@ from edgeq.worker.arq_seam import (
 from edgeq.worker.claim import ClaimedJob, claim_due_jobs
 from edgeq.worker.outcomes import Ending, NotStarted, not_started
 from edgeq.worker.refill import RecentFinishes
+from edgeq.worker.running import RunningJob, RunningJobs
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
@@ -147,8 +148,9 @@ class JobLoop:
     count_not_started: Callable[[str], None] = lambda code: None
     #: False while the engine is stalled (worker/liveness.py): no claims until it steps.
     may_claim: Callable[[], bool] = lambda: True
-    #: Running jobs: id -> the task running it.
-    running: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    #: Running jobs: id -> its task, and its tenant while the job function serves it (the
+    #: worker's one registry: its state reads the same, for leases and counts).
+    running: RunningJobs = field(default_factory=RunningJobs)
     #: False once a drain began: no more claims.
     accepting: bool = field(default=True, init=False)
     #: Running jobs cancelled by an abort (their CancelledError is no failure to log).
@@ -235,7 +237,7 @@ class JobLoop:
         )
         for job in claimed:
             task = asyncio.create_task(self._run(job))
-            self.running[job.job_id] = task
+            self.running[job.job_id] = RunningJob(task)
             task.add_done_callback(partial(self._job_ended, job.job_id))
 
     def _job_ended(self, job_id: str, task: asyncio.Task[None]) -> None:
@@ -367,9 +369,9 @@ class JobLoop:
     async def _cancel_aborted(self) -> None:
         aborted = await take_aborts(self.redis, self.config.abort_set, list(self.running))
         for job_id in aborted:
-            if (task := self.running.get(job_id)) is not None:
+            if (running := self.running.get(job_id)) is not None:
                 self._aborting.add(job_id)
-                task.cancel()
+                running.task.cancel()
 
     # --- drain ------------------------------------------------------------------------------
 
@@ -378,7 +380,7 @@ class JobLoop:
         (they end with ``shutdown``), wait for them to end, then end the loop."""
         self.accepting = False
         self._work.set()
-        if running := list(self.running.values()):
+        if running := self.running.tasks():
             await asyncio.wait(running, timeout=timeout_s)
         await self.cancel_running()
         self._stopped = True
@@ -386,7 +388,7 @@ class JobLoop:
 
     async def cancel_running(self) -> None:
         """Cancel every running job and wait until each has ended its stream."""
-        running = list(self.running.values())
+        running = self.running.tasks()
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
