@@ -26,7 +26,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from edgeq.core.connection import REDIS_ERRORS
 from edgeq.core.errors import StreamClosed
-from edgeq.core.events import StreamTaken, read_events
+from edgeq.core.events import AnyEvent, StreamTaken, read_events
 from edgeq.core.leases import hand_over_after_engine_failure
 from edgeq.core.ledger import LedgerScope
 from edgeq.core.limits import settle_ended
@@ -46,7 +46,9 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     ``edgeq.worker.wire.load_job``. Returns the job's result: the answer, or its error event."""
     payload: JobPayload = job.payload
     structlog.contextvars.bind_contextvars(job_id=job.job_id)
-    run = await _chat_run(state, job)
+    continued = job.job_try - 1  # starts before this one
+    earlier = await read_events(state.redis, job.job_id) if continued else []
+    publisher = _publisher(state, job, earlier)
     state.running.serving(job.job_id, payload.tenant)
     outcome = ErrorCode.ENGINE_ERROR.value  # what the metrics count unless a path says better
     e2e_s: float | None = None  # for jobs that end with done
@@ -54,6 +56,12 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     finished_here = True  # else it ends (and counts) elsewhere
     try:
         async with asyncio.timeout(state.settings.job_timeout_s):
+            # Built in here: an engine not started (a bug) ends the job with its error event.
+            run = ChatRun(
+                state.ready_engine, state.settings, state.metrics, publisher,
+                job.enqueued_ms / 1000, earlier=earlier, continued=continued,
+                adapters=state.adapters,
+            )  # fmt: skip
             result = await run.run(payload)
         # The same clock reading as the done event's total_ms: metric and event agree.
         outcome, e2e_s, usage = "done", result.timings.total_ms / 1000, result.usage
@@ -64,7 +72,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         # Decided before any await: a job cut short while it ends keeps it too.
         finished_here = _finished_here(error)
         try:
-            failure = await _end_with(run.publisher, ending, error, state)
+            failure = await _end_with(publisher, ending, error, state)
         finally:
             if not finished_here:  # the loop leaves its records alone (worker/lifecycle.py)
                 cause = error if isinstance(error, EngineDeadError) else None
@@ -75,7 +83,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     finally:
         state.metrics.job_ended(outcome, e2e_s=e2e_s)
         if finished_here:
-            await _settle(state, job.job_id, payload.tenant, run.publisher, outcome, usage)
+            await _settle(state, job.job_id, payload.tenant, publisher, outcome, usage)
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take
         # (an outage at the job's end) in the queue and in progress for good (#34).
@@ -83,13 +91,11 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
         structlog.contextvars.unbind_contextvars("job_id")
 
 
-async def _chat_run(state: WorkerState, job: StartedJob) -> ChatRun:
-    """The job's run: a continued job's stream so far, read back, and its publisher."""
+def _publisher(state: WorkerState, job: StartedJob, earlier: list[AnyEvent]) -> StreamPublisher:
+    """The job's publisher: its stream, after what a dead worker published (``earlier``)."""
     payload: JobPayload = job.payload
     settings = state.settings
-    continued = job.job_try - 1  # starts before this one
-    earlier = await read_events(state.redis, job.job_id) if continued else []
-    publisher = StreamPublisher(
+    return StreamPublisher(
         state.events,
         job.job_id,
         interval_s=settings.stream_interval_ms / 1000,
@@ -98,10 +104,6 @@ async def _chat_run(state: WorkerState, job: StartedJob) -> ChatRun:
         tenant=payload.tenant,
         ledger=LedgerScope(payload.tenant, settings.model, payload.priority),
     )
-    return ChatRun(
-        state.ready_engine, settings, state.metrics, publisher, job.enqueued_ms / 1000,
-        earlier=earlier, continued=continued, adapters=state.adapters,
-    )  # fmt: skip
 
 
 async def _settle(
