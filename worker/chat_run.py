@@ -253,7 +253,9 @@ class ChatRun:
     ) -> None:
         """The per-output loop (the hot path ``python -m edgeq.bench.output_loop`` measures):
         count, publish and keep each output's text."""
+        # Locals, not attribute reads, in the loop that runs once per output.
         publisher, metrics, labels = self.publisher, self.metrics, self.labels
+        settings, enqueued_s = self.settings, self.enqueued_s
         last_tokens_s: float | None = None
         answered = False  # whether the engine sent any output (a grammar error comes before)
         # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
@@ -266,7 +268,7 @@ class ChatRun:
                         now_s = time.time()
                         if last_tokens_s is None:
                             answer.first_token_s = now_s
-                            metrics.first_token(labels, since_enqueue_s=now_s - self.enqueued_s)
+                            metrics.first_token(labels, since_enqueue_s=now_s - enqueued_s)
                             gap_s = None
                         else:
                             gap_s = now_s - last_tokens_s
@@ -280,7 +282,7 @@ class ChatRun:
                     text = reader.feed(splitter.feed(completion.text))
                     answer.parts.append(text)
                     await publisher.publish_text(text)
-                    _refuse_if_unheard(publisher, self.settings)
+                    _refuse_if_unheard(publisher, settings)
                     if output.finished:
                         answer.finish_reason = completion.finish_reason or answer.finish_reason
         except VLLMValidationError as error:
