@@ -1,4 +1,4 @@
-"""The worker's own CPU per engine output: its job loop (``worker/jobs.py``: ``stream_answer``)
+"""The worker's own CPU per engine output: its job loop (``worker/chat_run.py``: ``ChatRun.stream``)
 over ready-made outputs, with nothing else in the process.
 
     .venv/bin/python -m edgeq.bench.output_loop [--jobs 400] [--tokens 256] [--rounds 5]
@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from edgeq.core.events import AnyEvent, Published
 from edgeq.core.ledger import LedgerScope
 from edgeq.core.protocol import ChatMessage, ChatRequest
-from edgeq.worker import jobs
+from edgeq.worker import chat_run
 from edgeq.worker.metrics import WorkerMetrics
 from edgeq.worker.publisher import StreamPublisher
 from edgeq.worker.settings import WorkerSettings
@@ -107,16 +107,15 @@ async def _one_job(
     request = ChatRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=tokens)
     # Any params at all: the stand-in engine reads none, and a job without any generates nothing.
     params: Any = object()
-    generation = jobs.Generation(request, "", False, [1, 2, 3], [], tokens, params)
+    generation = chat_run.Generation(request, "", False, [1, 2, 3], [], tokens, params)
     log: Any = _NoStore()
     publisher = StreamPublisher(
         log, f"output-loop-{n}", interval_s=settings.stream_interval_ms / 1000
     )
     stand_in: Any = engine
-    labels = metrics.job_labels(request)
-    await jobs.stream_answer(
-        stand_in, generation, publisher, settings, metrics, labels, time.time()
-    )
+    run = chat_run.ChatRun(stand_in, settings, metrics, publisher, time.time())
+    run.labels = metrics.job_labels(request)
+    await run.stream(generation)
 
 
 async def _round(jobs_: int, tokens: int) -> float:

@@ -222,7 +222,7 @@ class DirectTarget:
         if engine is None:
             raise RuntimeError("DirectTarget is used outside its async with block")
         chat = ChatRequest(messages=list(request.messages), **fields)
-        # The worker's own two steps before generating (worker/jobs.py: run_chat).
+        # The worker's own two steps before generating (worker/chat_run.py: ChatRun.prepare).
         thinking = engine.rules.thinking_enabled(chat)
         prompt = await engine.render(chat.messages, enable_thinking=thinking)
         params = engine.rules.sampling_params(chat, len(prompt))

@@ -1,4 +1,4 @@
-"""The job's start line and metrics wait until the event loop is free (edgeq.worker.jobs):
+"""The job's start line and metrics wait until the event loop is free (edgeq.worker.chat_run):
 the other jobs of a claimed burst reach the engine first, and a job that ends before the loop
 was free still logs its start before its end."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from edgeq.worker.jobs import sooner_or_on_exit
+from edgeq.worker.chat_run import sooner_or_on_exit
 
 
 async def test_the_deferred_call_runs_after_the_tasks_already_waiting_to_run() -> None:

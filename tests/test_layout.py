@@ -6,8 +6,8 @@ a backend service installs) never imports the worker, vLLM or torch, and no two 
 core import each other, even for a type hint. OpenAI's resources (``edgeq.resources``, the
 wing) hold no HTTP: they never import FastAPI, Starlette or the gateway, and the gateway is
 HTTP only (each of its modules imports FastAPI or Starlette, but its settings, its state and
-its command) and never imports the bench or the test launchers. No function of the gateway or
-the wing is longer than 60 lines. The ``edgeq`` command is a registry: the command
+its command) and never imports the bench or the test launchers. No function of the gateway,
+the wing or the worker is longer than 60 lines. The ``edgeq`` command is a registry: the command
 modules never import the registry back, and a client's command loads nothing of the worker.
 vLLM's general plugin, which vLLM loads in every vLLM process of the environment, acts only in
 edgeq's own engine processes.
@@ -65,7 +65,8 @@ FORBIDDEN = {
 #: The gateway's modules that need no HTTP framework: what its settings and state are, and its
 #: ``edgeq gateway`` command (which imports the server only when it runs).
 GATEWAY_WITHOUT_HTTP = {"__init__.py", "settings.py", "commands.py"}
-#: The longest a function of the gateway or the wing may be, in lines (decorators included).
+#: The longest a function of the gateway, the wing or the worker may be, in lines (decorators
+#: included).
 LONGEST_FUNCTION = 60
 
 
@@ -179,6 +180,12 @@ def test_functions_longer_than_finds_the_long_ones(tmp_path: Path) -> None:
 def test_no_function_of_the_gateway_or_the_wing_is_long() -> None:
     paths = [*PARTS["edgeq.gateway"].rglob("*.py"), *PARTS["edgeq.resources"].rglob("*.py")]
     assert len(paths) > 20  # the test reads the right folders
+    assert not functions_longer_than(LONGEST_FUNCTION, *paths)
+
+
+def test_no_function_of_the_worker_is_long() -> None:
+    paths = list(PARTS["edgeq.worker"].rglob("*.py"))
+    assert any(path.name == "jobs.py" for path in paths)  # the test reads the right folder
     assert not functions_longer_than(LONGEST_FUNCTION, *paths)
 
 

@@ -92,7 +92,7 @@ async def run_one_job(loop: JobLoop, server: RedisServer, away_s: float) -> str:
     try:
         await asyncio.wait_for(asyncio.to_thread(job_function.back.wait), 30)
         # The job's end: its records written, or given up on.
-        ending = asyncio.gather(*loop.running.values(), return_exceptions=True)
+        ending = asyncio.gather(*loop.running.tasks(), return_exceptions=True)
         await asyncio.wait_for(ending, 10)
     finally:
         await cancel_and_wait(serving)

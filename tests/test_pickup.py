@@ -175,7 +175,7 @@ async def held_worker(
     finally:
         for released in jobs.released.values():
             released.set()
-        await asyncio.gather(*loop.running.values(), return_exceptions=True)
+        await asyncio.gather(*loop.running.tasks(), return_exceptions=True)
         await cancel_and_wait(main)
         await redis.aclose()
         await producer.aclose()

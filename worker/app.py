@@ -43,7 +43,7 @@ from edgeq.worker.metrics import WorkerMetrics, serve_metrics
 from edgeq.worker.notify import keep_watchdog, notify, watchdog_interval_s
 from edgeq.worker.refill import RecentFinishes
 from edgeq.worker.settings import WorkerSettings
-from edgeq.worker.state import WorkerState, running_by_tenant
+from edgeq.worker.state import WorkerState
 from edgeq.worker.wire import dump_json, load_job
 
 # The loop's timeout is a backstop behind the job's (which publishes a proper `timeout` event).
@@ -86,8 +86,8 @@ def describe_worker(state: WorkerState, now_s: float) -> WorkerInfo:
         device=state.device,
         state=worker_state(state),
         stalled_since=state.stalled_since,
-        running=len(state.running),
-        running_by_tenant=running_by_tenant(state),
+        running=len(state.running.leased()),
+        running_by_tenant=state.running.by_tenant(),
         adapters=state.adapters.names if state.adapters else [],
         adapters_refused=dict(state.adapters.refused if state.adapters else state.adapters_refused),
         max_jobs=settings.job_slots,
@@ -106,7 +106,7 @@ async def keep_alive(state: WorkerState) -> None:
         began = time.monotonic()
         try:
             await renew_leases(
-                redis, settings.queue, list(state.running), ttl_s=settings.lease_ttl_s
+                redis, settings.queue, state.running.leased(), ttl_s=settings.lease_ttl_s
             )
             # Before any lease is judged: a finished job's lease that came back with Redis
             # is gone again before it could be taken for a lost worker's.
@@ -131,7 +131,7 @@ async def keep_alive(state: WorkerState) -> None:
             )
             state.metrics.waiting.set((await queue_depth(redis, settings.queue)).waiting)
             state.metrics.count_tenants(
-                running=running_by_tenant(state),
+                running=state.running.by_tenant(),
                 waiting=await queued_by_tenant(redis, settings.queue),
             )
         except REDIS_ERRORS as error:
@@ -316,7 +316,7 @@ def build_worker(
         process_started=process_started,
         started_at=time.time(),
     )
-    metrics.count_running(lambda: len(state.running))
+    metrics.count_running(lambda: len(state.running.leased()))
     jobs = JobLoop(
         redis=redis,
         config=loop_config(settings),
@@ -324,7 +324,7 @@ def build_worker(
         events=state.events,
         deserializer=load_job,
         serializer=dump_json,
-        not_finished_here=state.not_finished_here,
+        running=state.running,
         recent=state.recent,
         count_not_started=metrics.job_ended,
         may_claim=lambda: state.stalled_since is None and not state.engine_died,

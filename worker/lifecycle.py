@@ -20,10 +20,10 @@
   event here (worker/outcomes.py, ``NotStarted``).
 - **Finish.** The job function publishes the stream's terminal event itself; the loop then
   writes arq's result and removes the job's records and its lease in one step
-  (worker/arq_seam.py), unless they are not this run's (``not_finished_here``): another run
-  of the job took its stream over, or the job was given up with Redis away, and its lease's
-  expiry continues it. Records Redis could not take keep their lease, whose expiry finishes
-  them.
+  (worker/arq_seam.py), unless they are not this run's (the job function raises
+  ``NotFinishedHere``): another run of the job took its stream over, the job was given up
+  with Redis away, or its engine died, and its lease's expiry continues it. Records Redis
+  could not take keep their lease, whose expiry finishes them.
 - **Drain.** A signal stops the claims; running jobs get the drain time to finish, then their
   tasks are cancelled (the job function ends them with ``shutdown``).
 """
@@ -63,6 +63,7 @@ from edgeq.worker.arq_seam import (
 from edgeq.worker.claim import ClaimedJob, claim_due_jobs
 from edgeq.worker.outcomes import Ending, NotStarted, not_started
 from edgeq.worker.refill import RecentFinishes
+from edgeq.worker.running import RunningJob, RunningJobs
 
 # An idle worker also looks at the queue this often, for producers that do not signal.
 IDLE_WAIT_S = 1.0
@@ -87,6 +88,20 @@ class StartedJob:
 
 
 JobFunction = Callable[[StartedJob], Awaitable[Any]]
+
+
+class NotFinishedHere(Exception):
+    """Raised by a job function whose job's records (arq's, and the lease) this run must leave
+    alone: another run of the job took its stream (this worker was thought dead and the job
+    was handed over), it was given up with Redis away past EDGEQ_REDIS_OUTAGE_S, or its engine
+    died and it was handed over; its lease's expiry is to continue it (docs/guarantees.md).
+    The loop then writes no result and removes nothing."""
+
+    def __init__(self, job_id: str, *, cause: BaseException | None = None) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+        #: A failure the loop logs as the job's own (``job_raised``): a dead engine.
+        self.cause = cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +141,6 @@ class JobLoop:
     events: EventLog
     deserializer: Deserializer
     serializer: Serializer
-    #: Jobs whose records this run leaves alone (the job function says which: WorkerState).
-    not_finished_here: set[str] = field(default_factory=set)
     #: Where finished jobs' records are kept a while, to write again into a Redis that came
     #: back without them (worker/refill.py); None: not kept.
     recent: RecentFinishes | None = None
@@ -135,8 +148,9 @@ class JobLoop:
     count_not_started: Callable[[str], None] = lambda code: None
     #: False while the engine is stalled (worker/liveness.py): no claims until it steps.
     may_claim: Callable[[], bool] = lambda: True
-    #: Running jobs: id -> the task running it.
-    running: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    #: Running jobs: id -> its task, and its tenant while the job function serves it (the
+    #: worker's one registry: its state reads the same, for leases and counts).
+    running: RunningJobs = field(default_factory=RunningJobs)
     #: False once a drain began: no more claims.
     accepting: bool = field(default=True, init=False)
     #: Running jobs cancelled by an abort (their CancelledError is no failure to log).
@@ -223,7 +237,7 @@ class JobLoop:
         )
         for job in claimed:
             task = asyncio.create_task(self._run(job))
-            self.running[job.job_id] = task
+            self.running[job.job_id] = RunningJob(task)
             task.add_done_callback(partial(self._job_ended, job.job_id))
 
     def _job_ended(self, job_id: str, task: asyncio.Task[None]) -> None:
@@ -255,6 +269,11 @@ class JobLoop:
         try:
             async with asyncio.timeout(self.config.job_timeout_s):
                 result, success = await self.run_job(started), True
+        except NotFinishedHere as left:  # its records are another run's: leave them
+            if left.cause is not None:
+                log.error("job_raised", job_id=job.job_id, error=type(left.cause).__name__)
+            self._aborting.discard(job.job_id)
+            return
         except (Exception, asyncio.CancelledError) as error:
             # An abort, the backstop timeout, a failure or the drain: the job function has
             # ended its stream already; the error is the arq result, as arq records it.
@@ -262,9 +281,6 @@ class JobLoop:
                 log.error("job_raised", job_id=job.job_id, error=type(error).__name__)
             self._aborting.discard(job.job_id)
             result, success = error, False
-        if job.job_id in self.not_finished_here:
-            self.not_finished_here.discard(job.job_id)
-            return
         await asyncio.shield(self._finish(job, record, started.job_try, success, result,
                                           started_ms))  # fmt: skip
 
@@ -353,9 +369,9 @@ class JobLoop:
     async def _cancel_aborted(self) -> None:
         aborted = await take_aborts(self.redis, self.config.abort_set, list(self.running))
         for job_id in aborted:
-            if (task := self.running.get(job_id)) is not None:
+            if (running := self.running.get(job_id)) is not None:
                 self._aborting.add(job_id)
-                task.cancel()
+                running.task.cancel()
 
     # --- drain ------------------------------------------------------------------------------
 
@@ -364,7 +380,7 @@ class JobLoop:
         (they end with ``shutdown``), wait for them to end, then end the loop."""
         self.accepting = False
         self._work.set()
-        if running := list(self.running.values()):
+        if running := self.running.tasks():
             await asyncio.wait(running, timeout=timeout_s)
         await self.cancel_running()
         self._stopped = True
@@ -372,7 +388,7 @@ class JobLoop:
 
     async def cancel_running(self) -> None:
         """Cancel every running job and wait until each has ended its stream."""
-        running = list(self.running.values())
+        running = self.running.tasks()
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)

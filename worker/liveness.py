@@ -109,7 +109,7 @@ def stalled(state: WorkerState, quiet_s: float) -> None:
     log.error(
         "engine_stalled",
         no_step_s=round(quiet_s, 1),
-        running=len(state.running),
+        running=len(state.running.leased()),
         engine_unfinished_requests=state.ready_engine.unfinished_requests(),
         action=f"no new jobs; exiting in {state.settings.engine_stall_exit_s:g} s "
         "unless the engine makes a step",
@@ -130,7 +130,7 @@ async def end_stalled_worker(state: WorkerState, *, worker_id: str) -> None:
     log.error(
         "worker_ending_stalled",
         stalled_s=round(time.time() - (state.stalled_since or time.time()), 1),
-        running=len(state.running),
+        running=len(state.running.leased()),
         exit_code=EXIT_ENGINE_STALLED,
     )
     notify("STATUS=ending: the engine stalled; its jobs are handed over")
@@ -138,7 +138,8 @@ async def end_stalled_worker(state: WorkerState, *, worker_id: str) -> None:
         async with asyncio.timeout(EXIT_REDIS_TIMEOUT_S):
             # A job at its second engine failure is quarantined, not continued (a poison
             # job, core/leases.py).
-            await hand_over_after_engine_failure(state.redis, settings.queue, list(state.running))
+            served = state.running.leased()
+            await hand_over_after_engine_failure(state.redis, settings.queue, served)
             await remove_worker(state.redis, settings.queue, worker_id)
     # Blocking the event loop on purpose, from here to the exit: once the engine is gone its
     # jobs would see it dead and end with `engine_error` (and the worker drain, which ends the

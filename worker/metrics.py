@@ -97,79 +97,15 @@ class WorkerMetrics:
         self, registry: CollectorRegistry = REGISTRY, *, tenants: Collection[str] = ()
     ) -> None:
         self.tenants = frozenset({DEFAULT_TENANT, *tenants})
-        self.queue_time = Histogram(
-            "edgeq:request_queue_time_seconds",
-            "Time from enqueue in Redis to the worker starting the job.",
-            JobLabels._fields,
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
+        self.queue_time, self.time_to_first_token, self.inter_token_latency, self.e2e_latency = (
+            _latency_metrics(registry)
         )
-        self.time_to_first_token = Histogram(
-            "edgeq:time_to_first_token_seconds",
-            "Time from enqueue to the engine's first token of the answer.",
-            JobLabels._fields,
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.inter_token_latency = BulkHistogram(
-            "edgeq:inter_token_latency_seconds",
-            "Time between successive tokens of an answer (one observation per token after "
-            "the first; tokens that arrive together share the gap).",
-            buckets=TOKEN_GAP_BUCKETS_S,
-            registry=registry,
-        )
-        self.e2e_latency = Histogram(
-            "edgeq:e2e_request_latency_seconds",
-            "Time from enqueue to the done event, for jobs that ended with done.",
-            buckets=REQUEST_BUCKETS_S,
-            registry=registry,
-        )
-        self.requests = Counter(
-            "edgeq:requests",
-            "Jobs this worker ended, by outcome: done, or the error code.",
-            ["outcome"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(
-            "edgeq:prompt_tokens", "Prompt tokens of the jobs started.", registry=registry
-        )
-        self.generation_tokens = Counter(
-            "edgeq:generation_tokens", "Tokens generated.", registry=registry
-        )
-        self.running = Gauge(
-            "edgeq:num_requests_running", "Jobs this worker is running.", registry=registry
-        )
-        self.waiting = Gauge(
-            "edgeq:num_requests_waiting",
-            "Jobs waiting in the Redis queue for any worker (sampled every lease renewal).",
-            registry=registry,
-        )
-        self.tenant_running = Gauge(
-            "edgeq:tenant_requests_running",
-            "Jobs this worker is running, by tenant (sampled every lease renewal).",
-            ["tenant"],
-            registry=registry,
-        )
-        self.tenant_waiting = Gauge(
-            "edgeq:tenant_requests_waiting",
-            "Jobs waiting in the Redis queue, by tenant (sampled every lease renewal).",
-            ["tenant"],
-            registry=registry,
+        self.requests, self.prompt_tokens, self.generation_tokens = _job_counters(registry)
+        self.running, self.waiting, self.tenant_running, self.tenant_waiting = (
+            _load_gauges(registry)
         )
         self.tenant_requests, self.tenant_tokens = tenant_usage_counters(registry)
-
-        self.engine_stalls = Counter(
-            "edgeq:engine_stalls",
-            "Times the engine held work and made no step for EDGEQ_ENGINE_STALL_S "
-            "(the worker then takes no jobs until it steps again, or ends itself).",
-            registry=registry,
-        )
-        self.adapter_requests = Counter(
-            "edgeq:adapter_requests",
-            'Jobs started, by the LoRA adapter they ran with ("base": the base model).',
-            ["adapter"],
-            registry=registry,
-        )
+        self.engine_stalls, self.adapter_requests = _engine_counters(registry)
 
     def tenant_label(self, tenant: str) -> str:
         return tenant if tenant in self.tenants else OTHER_TENANT
@@ -336,3 +272,97 @@ def serve_metrics(host: str, port: int) -> None:
             f"EDGEQ_METRICS_PORT: cannot serve metrics on {host}:{port} ({error}); "
             f"pick a free port per worker, or 0 to turn metrics off"
         ) from None
+
+
+# WorkerMetrics's declarations, in the order they are registered (and exposed).
+def _latency_metrics(
+    registry: CollectorRegistry,
+) -> tuple[Histogram, Histogram, BulkHistogram, Histogram]:
+    """The job's latencies: queue time, TTFT, gaps between tokens, end to end."""
+    queue_time = Histogram(
+        "edgeq:request_queue_time_seconds",
+        "Time from enqueue in Redis to the worker starting the job.",
+        JobLabels._fields,
+        buckets=LATENCY_BUCKETS_S,
+        registry=registry,
+    )
+    time_to_first_token = Histogram(
+        "edgeq:time_to_first_token_seconds",
+        "Time from enqueue to the engine's first token of the answer.",
+        JobLabels._fields,
+        buckets=LATENCY_BUCKETS_S,
+        registry=registry,
+    )
+    inter_token_latency = BulkHistogram(
+        "edgeq:inter_token_latency_seconds",
+        "Time between successive tokens of an answer (one observation per token after "
+        "the first; tokens that arrive together share the gap).",
+        buckets=TOKEN_GAP_BUCKETS_S,
+        registry=registry,
+    )
+    e2e_latency = Histogram(
+        "edgeq:e2e_request_latency_seconds",
+        "Time from enqueue to the done event, for jobs that ended with done.",
+        buckets=REQUEST_BUCKETS_S,
+        registry=registry,
+    )
+    return queue_time, time_to_first_token, inter_token_latency, e2e_latency
+
+
+def _job_counters(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    """Jobs ended, by outcome, and the tokens they took and made."""
+    requests = Counter(
+        "edgeq:requests",
+        "Jobs this worker ended, by outcome: done, or the error code.",
+        ["outcome"],
+        registry=registry,
+    )
+    prompt_tokens = Counter(
+        "edgeq:prompt_tokens", "Prompt tokens of the jobs started.", registry=registry
+    )
+    generation_tokens = Counter(
+        "edgeq:generation_tokens", "Tokens generated.", registry=registry
+    )
+    return requests, prompt_tokens, generation_tokens
+
+
+def _load_gauges(registry: CollectorRegistry) -> tuple[Gauge, Gauge, Gauge, Gauge]:
+    """What runs here and what waits in the queue, in all and by tenant."""
+    running = Gauge(
+        "edgeq:num_requests_running", "Jobs this worker is running.", registry=registry
+    )
+    waiting = Gauge(
+        "edgeq:num_requests_waiting",
+        "Jobs waiting in the Redis queue for any worker (sampled every lease renewal).",
+        registry=registry,
+    )
+    tenant_running = Gauge(
+        "edgeq:tenant_requests_running",
+        "Jobs this worker is running, by tenant (sampled every lease renewal).",
+        ["tenant"],
+        registry=registry,
+    )
+    tenant_waiting = Gauge(
+        "edgeq:tenant_requests_waiting",
+        "Jobs waiting in the Redis queue, by tenant (sampled every lease renewal).",
+        ["tenant"],
+        registry=registry,
+    )
+    return running, waiting, tenant_running, tenant_waiting
+
+
+def _engine_counters(registry: CollectorRegistry) -> tuple[Counter, Counter]:
+    """Engine stalls, and jobs started by LoRA adapter."""
+    engine_stalls = Counter(
+        "edgeq:engine_stalls",
+        "Times the engine held work and made no step for EDGEQ_ENGINE_STALL_S "
+        "(the worker then takes no jobs until it steps again, or ends itself).",
+        registry=registry,
+    )
+    adapter_requests = Counter(
+        "edgeq:adapter_requests",
+        'Jobs started, by the LoRA adapter they ran with ("base": the base model).',
+        ["adapter"],
+        registry=registry,
+    )
+    return engine_stalls, adapter_requests

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +12,7 @@ from edgeq.core.events import EventLog
 from edgeq.worker.engine_api import Engine
 from edgeq.worker.metrics import WorkerMetrics
 from edgeq.worker.refill import RecentFinishes
+from edgeq.worker.running import RunningJobs
 from edgeq.worker.settings import WorkerSettings
 
 if TYPE_CHECKING:  # imports vLLM
@@ -31,13 +31,9 @@ class WorkerState:
     #: time.monotonic() when the process started, and time.time() when the worker was built.
     process_started: float
     started_at: float
-    #: The jobs running now (id -> tenant): their leases are renewed, their count reported.
-    running: dict[str, str] = field(default_factory=dict)
-    #: Jobs whose records (arq's, and the lease) this run leaves alone: another run of them
-    #: took their stream (this worker was thought dead and the job was handed over), or they
-    #: were given up with Redis away past EDGEQ_REDIS_OUTAGE_S, and their lease's expiry is
-    #: to continue them (docs/guarantees.md).
-    not_finished_here: set[str] = field(default_factory=set)
+    #: The jobs running now, the job loop's own registry (worker/running.py): the leases of
+    #: the ones served are renewed, their count reported.
+    running: RunningJobs = field(default_factory=RunningJobs)
     #: Set on SIGTERM: jobs cut short by the drain end with ``shutdown``, not ``cancelled``.
     draining: asyncio.Event = field(default_factory=asyncio.Event)
     #: Set once the engine is built and warm (app.start_engine); cleared on shutdown.
@@ -62,6 +58,3 @@ class WorkerState:
             raise RuntimeError("the engine is not started")
         return self.engine
 
-
-def running_by_tenant(state: WorkerState) -> dict[str, int]:
-    return dict(Counter(state.running.values()))
