@@ -219,15 +219,27 @@ def test_a_stream_resumes_after_its_gateway_was_killed(
 
 
 def test_a_response_continues_a_previous_one(sdk: openai.OpenAI, worker: WorkerProcess) -> None:
-    first = sdk.responses.create(model=model(worker), input="Name a colour.", max_output_tokens=8)
+    # A seed that runs to length: unseeded, the tiny model once drew <|im_end|> first, an
+    # empty answer (a CI run).
+    seeded = {"seed": FULL_LENGTH_SEEDS[0]}
+    first = sdk.responses.create(
+        model=model(worker), input="Name a colour.", max_output_tokens=8, extra_body=seeded
+    )
     assert first.status in ("completed", "incomplete") and first.output_text
     follow_up = sdk.responses.create(
         model=model(worker),
         input="And another one.",
         max_output_tokens=8,
         previous_response_id=first.id,
+        extra_body=seeded,
     )
     assert follow_up.previous_response_id == first.id and follow_up.output_text
+    # The follow-up's prompt carries the first exchange: it is longer than the same input
+    # alone by at least the first's answer.
+    alone = sdk.responses.create(
+        model=model(worker), input="And another one.", max_output_tokens=1, extra_body=seeded
+    )
+    assert follow_up.usage.input_tokens >= alone.usage.input_tokens + first.usage.output_tokens
 
 
 def test_function_calls_come_as_openai_sends_them(
