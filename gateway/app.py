@@ -16,6 +16,7 @@ model. Its parts each have a room of their own, and ``create_app`` only joins th
                 a job of the batch class: edgeq.resources.batches)
     responses.py /v1/responses (background responses, resumable streams, signed webhooks:
                 edgeq.resources.responses, edgeq.resources.webhooks)
+    usage.py    /v1/usage (the usage ledger, edgeq.core.ledger: the operator's admin key)
 
 What a resource does without HTTP (its store, its runner, its wire format) lives in the
 resources wing (edgeq.resources); a new OpenAI resource is one more module there and one
@@ -29,7 +30,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from edgeq.gateway import batches, chat, files, models, probes, responses
+from edgeq.gateway import batches, chat, files, models, probes, responses, usage
 from edgeq.gateway.door import Door
 from edgeq.gateway.errors import install_error_handlers
 from edgeq.gateway.settings import GatewaySettings
@@ -66,6 +67,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     set_settings(app, settings)
     install_error_handlers(app)
     app.add_middleware(Door, settings=settings)
-    for room in (probes, models, chat, responses, files, batches):
+    for room in (probes, models, chat, responses, files, batches, usage):
         app.include_router(room.router)
     return app

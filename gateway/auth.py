@@ -1,9 +1,14 @@
-"""Who is calling: the API key check (EDGEQ_GATEWAY_API_KEYS, EDGEQ_GATEWAY_TENANT_KEYS) and the
-tenant a request's job runs as, both as FastAPI dependencies.
+"""Who is calling: the API key check (EDGEQ_GATEWAY_API_KEYS, EDGEQ_GATEWAY_TENANT_KEYS), the
+tenant a request's job runs as, and whose usage a caller may read (EDGEQ_GATEWAY_ADMIN_KEYS), as
+FastAPI dependencies.
 
 A job's tenant (edgeq.core.scheduling) is the one its API key fixes, else the one the
 X-Edgeq-Tenant header names, else (None here) the client's EDGEQ_TENANT. With no keys set, auth
 is off and every request is let in.
+
+An admin key is the operator's: it is accepted on ADMIN_PATHS only, where it reads every
+tenant's usage; a tenant key reads its own tenant's there, and a plain key none (it names any
+tenant it likes with X-Edgeq-Tenant, so it proves no tenant).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from edgeq.gateway.state import SettingsDep
 
 #: The tenant of a request whose API key fixes none (EDGEQ_GATEWAY_API_KEYS, or no keys).
 TENANT_HEADER = "X-Edgeq-Tenant"
+#: The operator's routes: the only ones an admin key (EDGEQ_GATEWAY_ADMIN_KEYS) is accepted on.
+ADMIN_PATHS = frozenset({"/v1/usage"})
 
 
 def accepted_keys(settings: GatewaySettings) -> list[tuple[bytes, str | None]]:
@@ -44,6 +51,25 @@ def key_tenant(settings: GatewaySettings, authorization: str) -> tuple[bool, str
     if scheme.lower() != "bearer" or not matched:
         return False, None
     return True, matched[0]
+
+
+def is_admin_key(settings: GatewaySettings, authorization: str) -> bool:
+    """Whether ``authorization`` carries one of EDGEQ_GATEWAY_ADMIN_KEYS (compared with each)."""
+    scheme, _, token = authorization.partition(" ")
+    given = token.strip().encode()
+    matched = [secrets.compare_digest(given, key.encode()) for key in settings.gateway_admin_keys]
+    return scheme.lower() == "bearer" and any(matched)
+
+
+def accepted_at(settings: GatewaySettings, path: str, authorization: str) -> bool:
+    """Whether the door lets a request for ``path`` in: on ADMIN_PATHS an admin key or a job
+    key (the route then decides what it may read), open only with no key configured at all;
+    elsewhere a job key, open with none of those configured."""
+    if path in ADMIN_PATHS:
+        if not settings.any_keys or is_admin_key(settings, authorization):
+            return True
+        return settings.auth_required and key_tenant(settings, authorization)[0]
+    return key_tenant(settings, authorization)[0]
 
 
 def unauthorized() -> ApiError:
@@ -97,3 +123,27 @@ async def request_tenant(
 
 #: For a route's signature: the tenant its job runs as (None: the client's EDGEQ_TENANT).
 TenantDep = Annotated[str | None, Depends(request_tenant)]
+
+
+async def usage_readable_by(request: Request, settings: SettingsDep) -> str | None:
+    """Whose usage the caller may read: None for every tenant's (an admin key, or no key
+    configured at all), else the one tenant its tenant key fixes."""
+    authorization = request.headers.get("authorization", "")
+    if not settings.any_keys or is_admin_key(settings, authorization):
+        return None
+    accepted, tenant = key_tenant(settings, authorization)
+    if not settings.auth_required or not accepted:
+        raise unauthorized()
+    if tenant is None:
+        raise ApiError(
+            403,
+            "reading usage needs an admin key (EDGEQ_GATEWAY_ADMIN_KEYS) or a tenant key "
+            "(EDGEQ_GATEWAY_TENANT_KEYS, its own tenant's usage); this key sends jobs only",
+            type="permission_error",
+            code="admin_key_required",
+        )
+    return tenant
+
+
+#: For the usage route's signature: None (every tenant) or the caller's own tenant.
+UsageReaderDep = Annotated[str | None, Depends(usage_readable_by)]

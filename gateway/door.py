@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from starlette.formparsers import MultiPartException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgeq.gateway.auth import key_tenant, unauthorized
+from edgeq.gateway.auth import accepted_at, unauthorized
 from edgeq.gateway.errors import ApiError
 from edgeq.gateway.settings import JSON_MARGIN_BYTES, GatewaySettings
 
@@ -152,9 +152,9 @@ class Door:
         started = time.monotonic()
         settings = self.settings
         path: str = scope["path"]
-        if settings.auth_required and (path == "/v1" or path.startswith("/v1/")):
+        if path == "/v1" or path.startswith("/v1/"):
             authorization = _header(scope, b"authorization")
-            if not key_tenant(settings, authorization.decode("latin-1"))[0]:
+            if not accepted_at(settings, path, authorization.decode("latin-1")):
                 await answer(unauthorized(), scope, receive, send)
                 return
         limit = body_limit(settings, scope["method"], path)

@@ -43,6 +43,14 @@ class GatewaySettings(ResourceSettings):
             "EDGEQ_GATEWAY_API_KEYS and fixes the tenant of every request made with it."
         ),
     )
+    gateway_admin_keys: CommaList = Field(
+        default_factory=list,
+        repr=False,
+        description=(
+            "Comma-separated bearer tokens for the operator's route, GET /v1/usage (every "
+            "tenant's usage); accepted nowhere else."
+        ),
+    )
     gateway_workers: int = Field(
         1, ge=1, le=64, description="Gateway processes serving the port (`--workers` wins)."
     )
@@ -71,7 +79,7 @@ class GatewaySettings(ResourceSettings):
     )
     log_level: LogLevel = "info"
 
-    @field_validator("gateway_api_keys", mode="before")
+    @field_validator("gateway_api_keys", "gateway_admin_keys", mode="before")
     @classmethod
     def _split_api_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -118,6 +126,18 @@ class GatewaySettings(ResourceSettings):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_admin_keys(self) -> GatewaySettings:
+        """An admin key is nobody's job key: it reads every tenant's usage and sends nothing."""
+        job_keys = {*self.gateway_api_keys, *(key for _, key in self.gateway_tenant_keys)}
+        for number, key in enumerate(self.gateway_admin_keys, start=1):
+            if key in job_keys:
+                raise ValueError(
+                    f"EDGEQ_GATEWAY_ADMIN_KEYS: key {number} is also in EDGEQ_GATEWAY_API_KEYS "
+                    f"or EDGEQ_GATEWAY_TENANT_KEYS; an admin key must be a key of its own"
+                )
+        return self
+
     @property
     def json_body_max_bytes(self) -> int:
         """The largest JSON body the door lets in (door.py)."""
@@ -127,4 +147,10 @@ class GatewaySettings(ResourceSettings):
 
     @property
     def auth_required(self) -> bool:
+        """Whether the job routes need a key (EDGEQ_GATEWAY_API_KEYS or _TENANT_KEYS set)."""
         return bool(self.gateway_api_keys or self.gateway_tenant_keys)
+
+    @property
+    def any_keys(self) -> bool:
+        """Whether any key is configured: then GET /v1/usage needs an admin or tenant key."""
+        return self.auth_required or bool(self.gateway_admin_keys)

@@ -65,6 +65,15 @@ def test_a_key_both_plain_and_a_tenants_is_refused(monkeypatch: pytest.MonkeyPat
     assert SECRET.rstrip("=") not in str(refused.value)
 
 
+def test_an_admin_key_that_is_also_a_job_key_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGEQ_GATEWAY_TENANT_KEYS", f"nightly={SECRET}")
+    monkeypatch.setenv("EDGEQ_GATEWAY_ADMIN_KEYS", f"sk-admin,{SECRET}")
+    with pytest.raises(ConfigError, match="EDGEQ_GATEWAY_ADMIN_KEYS: key 2") as refused:
+        load_settings(GatewaySettings)
+    assert "a key of its own" in str(refused.value)
+    assert SECRET.rstrip("=") not in str(refused.value)
+
+
 def test_edgeq_gateway_stops_on_a_bad_tenant_entry_naming_it_but_not_the_key() -> None:
     env = {**os.environ, "EDGEQ_GATEWAY_TENANT_KEYS": f"nightly=sk-1,night ly={SECRET}"}
     ran = subprocess.run([*EDGEQ, "gateway"], env=env, capture_output=True, text=True, timeout=60)
@@ -84,8 +93,8 @@ BAD_VALUES = {
     "gateway_webhooks": f'[{{"url": "http://h/hook", "secret": "{SECRET[:7]}"}}]',
     "log_level": "loud",
 }
-#: Settings no value is wrong for (every comma-separated list of strings is one).
-ANY_VALUE_GOES = {"gateway_api_keys", "gateway_model_aliases"}
+#: Settings no value is wrong for on its own (every comma-separated list of strings is one).
+ANY_VALUE_GOES = {"gateway_api_keys", "gateway_admin_keys", "gateway_model_aliases"}
 
 
 def bad_value(name: str) -> str:

@@ -124,7 +124,7 @@ def rows_of(tenant: str, day: str, fields: dict[bytes, bytes]) -> list[UsageRow]
 def days_between(first: dt.date, last: dt.date) -> list[str]:
     """Every UTC day from ``first`` to ``last``, both included (ValueError past MAX_DAYS)."""
     if last < first:
-        raise ValueError(f"--to {last} is before --from {first}")
+        raise ValueError(f"the last day, {last}, is before the first, {first}")
     count = (last - first).days + 1
     if count > MAX_DAYS:
         raise ValueError(f"{count} days asked for; at most {MAX_DAYS} at once")
