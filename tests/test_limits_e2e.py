@@ -273,6 +273,8 @@ async def recorded(sdk: openai.AsyncOpenAI, batch_id: str, lines: int) -> BatchR
 async def test_a_day_budget_spent_mid_batch_pauses_it_and_raising_it_resumes_it(
     redis: Redis, limits_worker: WorkerProcess, limits_gateway: GatewayProcess
 ) -> None:
+    # Nothing spent today by a run before this one (pytest-repeat, make test-stress).
+    await redis.delete(limits_usage_key(QUEUE, BATCH_TENANT))
     await set_limit(redis, QUEUE, BATCH_TENANT, "tokens_per_day", DAY_BUDGET)
     model = limits_worker.env["EDGEQ_MODEL"]
     sdk = openai.AsyncOpenAI(base_url=limits_gateway.base_url, api_key=BATCH_KEY, max_retries=0)
