@@ -116,8 +116,11 @@ class BatchRun:
         # Why the batch stops early ("cancelled", "expired"): the error code of its unfinished
         # lines, and a line's task enqueues nothing more once it is set.
         self.stopping: str | None = None
-        # The record says the lines wait for the tenant's limits (this runner wrote it).
+        # The record says the lines wait for the tenant's limits (this runner wrote it). Its
+        # line tasks change it under the lock, so their writes land in the order they decided
+        # them: unlocked, a refused line's "waiting" could land after an admitted one's clear.
         self.waiting_for_limits = False
+        self._waiting_lock = asyncio.Lock()
 
     async def run(self) -> None:
         record = await self.store.record(self.batch_id)
@@ -272,18 +275,25 @@ class BatchRun:
         )
         if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
             if self.waiting_for_limits:
-                self.waiting_for_limits = False
-                await self.store.set_waiting(self.batch_id, None)
+                await self.say_waiting(None)
             return True
         if isinstance(detail, RateLimitRefusal):
             if not self.waiting_for_limits:
-                self.waiting_for_limits = True
-                await self.store.set_waiting(self.batch_id, waiting_reason(self.tenant, detail))
+                await self.say_waiting(waiting_reason(self.tenant, detail))
             # Tried again when its window turns, or sooner: a limit raised meanwhile.
             await asyncio.sleep(min(max(detail.reset_s, QUEUE_FULL_RETRY_S), LIMITS_RETRY_S))
             return False
         await asyncio.sleep(QUEUE_FULL_RETRY_S)  # the queue or the tenant is full
         return False
+
+    async def say_waiting(self, reason: str | None) -> None:
+        """Record that the lines wait for the tenant's limits (``reason``) or no longer do
+        (None): one write per change, in the order the line tasks decided them."""
+        async with self._waiting_lock:
+            if self.waiting_for_limits == (reason is not None):
+                return  # another line task changed it first
+            self.waiting_for_limits = reason is not None
+            await self.store.set_waiting(self.batch_id, reason)
 
     async def record(
         self, line: int, item: BatchLine, job_id: str, outcome: ChatResult | JobFailed
