@@ -1,10 +1,12 @@
 """Every end of a job settles its reserved tokens and counts in the usage ledger, in the step
 that writes its terminal event, whoever writes it (#42): a client's cancel, a keep-alive's
-``worker_lost``, a worker's ``expired``. Against a real Redis and the real scripts, on queues no
-worker serves; the limits' windows read the tenancy hash's frozen clock (docs/limits.md)."""
+``worker_lost``, a worker's ``expired``; a tenant with no limits reserves nothing. Against a
+real Redis and the real scripts, on queues no worker serves; the limits' windows read the
+tenancy hash's frozen clock (docs/limits.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -12,15 +14,27 @@ from datetime import UTC, datetime
 import pytest
 from redis.asyncio import Redis
 
-from edgeq.core.events import EventLog
-from edgeq.core.keys import limits_usage_key, reservation_key, tenancy_key
+from edgeq.core.connection import make_redis
+from edgeq.core.events import EventLog, finished_with
+from edgeq.core.keys import job_key, limits_usage_key, reservation_key, tenancy_key
 from edgeq.core.leases import declare_lost
 from edgeq.core.ledger import UsageRow, read_usage, usage_day
 from edgeq.core.limits import estimate_prompt_tokens
-from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.core.protocol import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Timings,
+    Usage,
+    dump_json,
+    load_json,
+)
 from edgeq.core.scheduling import Tenancy, publish_tenancy
+from edgeq.core.settings import ConnectionSettings
+from edgeq.core.tasks import cancel_and_wait
 from edgeq.producer.client import ChatClient
 from edgeq.testing.processes import RedisServer
+from edgeq.worker.lifecycle import JobLoop, LoopConfig
 
 NOON = datetime(2026, 12, 6, 12, 0, 10, tzinfo=UTC)
 PROMPT = "hi"
@@ -70,17 +84,38 @@ async def test_a_job_cancelled_while_queued_gives_its_reservation_back_and_count
     assert (row.requests, row.done, row.errors) == (1, 0, {"cancelled": 1})
 
 
-async def test_an_expired_job_gives_its_reservation_back(
-    redis: Redis, queue: str, client: ChatClient
+async def test_an_expired_job_gives_its_reservation_back_and_counts_once(
+    redis: Redis, redis_server: RedisServer, queue: str, client: ChatClient
 ) -> None:
-    """A worker reaching a job whose queue deadline passed finds its payload gone and writes
-    ``expired`` with no ledger scope (worker/lifecycle.py): the reservation still settles."""
+    """A worker's loop reaching a job whose queue deadline passed finds its payload gone and
+    ends it ``expired`` before it starts (worker/lifecycle.py): counted where it was queued."""
     await limited(redis, queue, tokens_per_day={"acme": 10_000})
-    job = await client.submit(PROMPT, tenant="acme", max_tokens=300)
-    log = EventLog(redis, replay_ttl_s=60, queue=queue, usage_keep_s=KEEP_S)
-    await log.append(ErrorEvent(job_id=job.job_id, seq=0, code="expired", message="late"))
+    job = await client.submit(PROMPT, tenant="acme", max_tokens=300, priority="batch")
+    await redis.delete(job_key(job.job_id))  # its deadline passed: what Redis's expiry does
+    worker_redis = make_redis(ConnectionSettings(redis_url=redis_server.url, queue=queue))
+    loop = JobLoop(
+        redis=worker_redis,
+        config=LoopConfig(queue=queue, max_jobs=1, poll_delay_s=0.1, model=MODEL),
+        run_job=lambda started: asyncio.sleep(0),  # never reached: the job cannot start
+        events=EventLog(worker_redis, replay_ttl_s=60, queue=queue, usage_keep_s=KEEP_S),
+        deserializer=load_json,
+        serializer=dump_json,
+    )
+    serving = asyncio.create_task(loop.serve())
+    try:
+        deadline = time.monotonic() + 30
+        while (ended := await finished_with(redis, job.job_id)) is None:
+            assert time.monotonic() < deadline, "the loop never ended the expired job"
+            await asyncio.sleep(0.05)
+    finally:
+        await cancel_and_wait(serving)
+        await worker_redis.aclose()
+    assert isinstance(ended, ErrorEvent) and ended.code == "expired"
     assert await day_tokens(redis, queue, "acme") == 0
     assert not await redis.exists(reservation_key(queue, job.job_id))
+    [row] = await rows(redis, queue)
+    assert (row.tenant, row.model, row.priority) == ("acme", MODEL, "batch")
+    assert (row.requests, row.errors) == (1, {"expired": 1})
 
 
 async def test_a_job_declared_lost_settles_its_estimate_and_counts_once(

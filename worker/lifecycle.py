@@ -46,7 +46,7 @@ from edgeq.core.connection import REDIS_ERRORS, tls_hint
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import retry_key, wake_channel
-from edgeq.core.ledger import unanswered_scope
+from edgeq.core.ledger import queued_scope, unanswered_scope
 from edgeq.core.protocol import ErrorEvent
 from edgeq.core.tasks import cancel_and_wait
 from edgeq.worker.arq_seam import (
@@ -355,16 +355,18 @@ class JobLoop:
         event = ErrorEvent(job_id=job.job_id, seq=0, code=ending.code.value, message=ending.message)
         # The event first, as a job that ran ends: should Redis fail in between, the lease
         # taken at the claim stays, and its expiry ends the job or hands it to a next claim.
-        # Counted in the ledger under its payload, where it is still kept (an aborted job's,
-        # not an expired one's); its reservation is settled in the event's step either way.
-        scope = unanswered_scope(job.payload, self.config.model)
+        # Counted in the ledger under its payload, or, an expired job's being gone, where it
+        # was queued; its reservation is settled in the event's step either way.
+        scope = unanswered_scope(job.payload, self.config.model) or queued_scope(
+            job.queued_as, self.config.model
+        )
         try:
             published = await self.events.append(event, ledger=scope)
             log.info("job_failed", job_id=job.job_id, code=ending.code.value,
                      reason=ending.message)  # fmt: skip
             if self.recent is not None:
                 stored = event.model_copy(update={"seq": published.seq})
-                self.recent.keep_events(job.job_id, [stored], tenant=None)
+                self.recent.keep_events(job.job_id, [stored], tenant=None, ledger=scope)
         except StreamClosed:
             pass  # already ended (cancelled, or declared lost): one terminal event only
         await asyncio.shield(

@@ -89,6 +89,16 @@ def unanswered_scope(payload: bytes | None, model: str) -> LedgerScope | None:
     )
 
 
+def queued_scope(queued_as: str | None, model: str) -> LedgerScope | None:
+    """Where a job whose payload expired in the queue is counted: the tenant and class its
+    claim found in the queue's tenant-of entry (``<band>:<tenant>``, worker/claim.py), and
+    ``model`` (the adapter it named went with its payload)."""
+    band, _, tenant = (queued_as or "").partition(":")
+    if not tenant or not band.isdigit() or int(band) >= len(PRIORITIES) or not model:
+        return None
+    return LedgerScope(tenant, model, PRIORITIES[int(band)])
+
+
 def usage_day(now_s: float) -> str:
     """The UTC day a moment counts to, as ``YYYY-MM-DD``."""
     return dt.datetime.fromtimestamp(now_s, dt.UTC).date().isoformat()
