@@ -169,8 +169,9 @@ class EventLog:
         job's scope, to count a terminal event in the usage ledger (its tenant wins);
         ``ledger_keep_s``: how long the ledger keeps it, for a writer built without
         ``usage_keep_s`` (a client cancelling: the workers' EDGEQ_USAGE_KEEP_DAYS as they
-        published it, ``ledger_keep_of``). A terminal event settles the job's reservation
-        whether or not its writer knows the job (lua/settle.lua)."""
+        published it in the tenancy hash, core/scheduling.py ``Tenancy``; 0: no ledger). A
+        terminal event settles the job's reservation whether or not its writer knows the
+        job (lua/settle.lua)."""
         calls = [
             self._arguments(event, event.seq if at_seq else -1, tenant, ledger, ledger_keep_s)
             for event in events
