@@ -180,13 +180,13 @@ async def test_a_settlement_in_a_later_minute_leaves_that_minute_alone(
     await freeze(redis, queue, NOON + timedelta(minutes=1))
     later = await client.submit(PROMPT, tenant="acme", max_tokens=100)
     assert later.job_id
-    # It failed after its first delta: its prompt's estimate stays, its max_tokens come back.
+    # It ended in the next minute with 20 of its 500 tokens: the day gets 480 back.
     await end(redis, queue, [DeltaEvent(job_id=job.job_id, seq=0, text="hi"),
-                             ErrorEvent(job_id=job.job_id, seq=1, code="timeout", message="x")],
+                             done(job.job_id, 1, prompt=prompt_cost(), completion=20)],
               "acme")  # fmt: skip
     counts = await used(redis, queue, "acme")
     assert counts["tokens"] == prompt_cost() + 100  # this minute's own chat only
-    assert counts["day_tokens"] == 2 * prompt_cost() + 100  # the day got the 500 back
+    assert counts["day_tokens"] == 2 * prompt_cost() + 100 + 20
 
 
 async def test_the_day_budget_refuses_until_the_utc_day_turns(

@@ -118,18 +118,20 @@ async def test_an_expired_job_gives_its_reservation_back_and_counts_once(
     assert (row.requests, row.errors) == (1, {"expired": 1})
 
 
-async def test_a_job_declared_lost_settles_its_estimate_and_counts_once(
+async def test_a_job_declared_lost_keeps_its_reservation_and_counts_once(
     redis: Redis, queue: str, client: ChatClient
 ) -> None:
     await limited(redis, queue, tokens_per_day={"acme": 10_000})
     job = await client.submit(PROMPT, tenant="acme", max_tokens=400, priority="interactive")
     log = EventLog(redis, replay_ttl_s=60, queue=queue)  # a client's or another worker's
-    # Its worker streamed a delta, then died: the prompt ran, its tokens are not known.
+    # Its worker streamed a delta, then died: how many tokens it streamed is not known, so the
+    # reservation stands (given back, a cancel just before the end would be a free answer).
     await log.append(DeltaEvent(job_id=job.job_id, seq=0, text="par"))
     assert await declare_lost(redis, log, job.job_id, queue=queue)
-    assert await day_tokens(redis, queue, "acme") == prompt_cost()
+    assert await day_tokens(redis, queue, "acme") == prompt_cost() + 400
+    assert not await redis.exists(reservation_key(queue, job.job_id))
     assert not await declare_lost(redis, log, job.job_id, queue=queue)  # once
-    assert await day_tokens(redis, queue, "acme") == prompt_cost()
+    assert await day_tokens(redis, queue, "acme") == prompt_cost() + 400
     [row] = await rows(redis, queue)
     assert (row.tenant, row.model, row.priority) == ("acme", MODEL, "interactive")
     assert (row.requests, row.errors) == (1, {"worker_lost": 1})

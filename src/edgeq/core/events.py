@@ -60,13 +60,13 @@ _STREAM_TAKEN = -3
 
 def _settlement(event: DoneEvent | ErrorEvent) -> tuple[str, str]:
     """The completion and prompt tokens a terminal event settles its job's reservation with:
-    a done event's exact usage; an error, no completion tokens and the prompt's estimate (-1;
-    the script gives that back too for a job that wrote nothing before its error). Tokens a
-    job streamed before an error or a cancel are not known here (deltas carry text, not
-    tokens): they are given back with the rest of its max_tokens."""
+    a done event's exact usage; an error, what was reserved (-1, -1: the reservation stands).
+    Tokens a job streamed before an error are not known here (deltas carry text, not
+    tokens), and giving them back would make a cancel just before the end a way round the
+    limits; the script gives everything back to a job that wrote nothing before its error."""
     if isinstance(event, DoneEvent):
         return str(event.usage.completion_tokens), str(event.usage.prompt_tokens)
-    return "0", "-1"
+    return "-1", "-1"
 
 
 class StreamTaken(StreamClosed):

@@ -8,7 +8,7 @@
 -- retention (s) and the job's tenant ('': not known), whose outcomes are counted too, as
 -- tenant:<name>:<outcome>; then the settlement's: the prefix of a tenant's limits usage hash
 -- (limits_usage_key with no tenant), the completion tokens the job produced and its prompt's
--- tokens (-1: the estimate stands). Then, for a terminal event that goes into the usage
+-- tokens (-1 each: what was reserved stands). Then, for a terminal event that goes into the usage
 -- ledger (core/ledger.py): KEYS 6 and 7 the tenant's usage hash for the day and the day's
 -- tenant index, ARGV 12 their lifetime (s), ARGV 13 on field, increment pairs. Returns
 -- {seq, listeners}.
@@ -16,9 +16,9 @@
 -- The ledger is counted and the reservation settled here, in the step that writes the terminal
 -- event, so a job is counted and settled exactly once: a retry that finds its event stored
 -- returns before this, and a stream with a terminal event takes no second one. An error end
--- with nothing before it in the stream (seq 0: a job cancelled or expired in the queue, or
--- refused before its first token) was never answered, and is charged nothing: its prompt's
--- estimate is given back too.
+-- keeps what its job reserved (what it streamed before is not known in tokens), unless
+-- nothing came before it in the stream (seq 0: a job cancelled or expired in the queue, or
+-- refused before its first token): never answered, it is charged nothing.
 --
 -- A wanted seq makes a retry idempotent: the same event already at that seq (its reply was
 -- lost) is reported again, not appended twice; another event there means another run of the
@@ -49,9 +49,9 @@ if ARGV[3] == '1' then
       redis.call('HINCRBY', KEYS[4], 'tenant:' .. ARGV[8] .. ':' .. ARGV[6], 1)
     end
     redis.call('EXPIRE', KEYS[4], ARGV[7])
-    local prompt = tonumber(ARGV[11])
-    if prompt < 0 and seq == 0 then prompt = 0 end
-    settle(KEYS[5], ARGV[9], ARGV[8], tonumber(ARGV[10]), prompt)
+    local completion, prompt = tonumber(ARGV[10]), tonumber(ARGV[11])
+    if completion < 0 and seq == 0 then completion, prompt = 0, 0 end
+    settle(KEYS[5], ARGV[9], ARGV[8], completion, prompt)
   end
   if #KEYS > 5 then
     for i = 13, #ARGV, 2 do

@@ -15,7 +15,8 @@
 -- know the job's tenant still settles it, in the queue's slot). `tenant`: the writer's idea of
 -- the job's tenant ('': not known); a reservation of another tenant (a request whose tenant
 -- differs from the enqueue's) is deleted and nothing given back. `completion`: the tokens
--- the job produced; `prompt`: its prompt's exact tokens (-1: the estimate stands). Returns the
+-- the job produced (-1: what it reserved stands); `prompt`: its prompt's exact tokens (-1: the
+-- estimate stands). Returns the
 -- tokens given back (negative: charged more), 0 when there was nothing to settle.
 local function settle(reservation_key, usage_prefix, tenant, completion, prompt)
   local held = redis.call('HMGET', reservation_key, 'prompt', 'completion', 'minute', 'day',
@@ -24,6 +25,7 @@ local function settle(reservation_key, usage_prefix, tenant, completion, prompt)
   redis.call('DEL', reservation_key)
   if tenant ~= '' and held[6] ~= tenant then return 0 end
   if prompt < 0 then prompt = tonumber(held[1]) end
+  if completion < 0 then completion = tonumber(held[2]) end
   local back = tonumber(held[1]) + tonumber(held[2]) - (prompt + completion)
   if back == 0 then return 0 end
   local usage_key = usage_prefix .. held[6]
