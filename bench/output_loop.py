@@ -72,6 +72,7 @@ class _NoStore:
         at_seq: bool = False,
         tenant: str | None = None,
         ledger: LedgerScope | None = None,
+        ledger_keep_s: int | None = None,
     ) -> list[Published]:
         return [Published(seq=event.seq, listeners=1) for event in events]
 

@@ -31,6 +31,7 @@ from edgeq.core.keys import (
     tenant_of_key,
     wake_channel,
 )
+from edgeq.core.ledger import unanswered_scope
 from edgeq.core.limits import RateLimitRefusal, estimate_prompt_tokens
 from edgeq.core.protocol import JOB_FUNCTION, ErrorEvent, dump_json
 from edgeq.core.scheduling import Priority, band_of
@@ -177,11 +178,15 @@ class JobQueue:
 
         The job leaves the queue before its stream ends, so whoever sees ``cancelled`` finds
         its place in the queue free (a job that had ended is gone from the queue anyway)."""
-        await self._dequeue(
-            keys=[self.name, job_key(job_id), *self._scheduling_keys[:4]], args=[job_id]
+        payload, model, keep_s = await self._dequeue(
+            keys=[self.name, job_key(job_id), *self._scheduling_keys], args=[job_id]
         )
+        # Its end settles its reserved tokens and counts it in the usage ledger, in the
+        # event's own step (core/events.py), under what its payload says.
+        scope = unanswered_scope(payload, (model or b"").decode())
+        event = ErrorEvent(job_id=job_id, seq=0, code="cancelled", message=reason)
         try:
-            await log.append(ErrorEvent(job_id=job_id, seq=0, code="cancelled", message=reason))
+            await log.append(event, ledger=scope, ledger_keep_s=int(keep_s or 0))
         except StreamClosed:
             return False
         return True

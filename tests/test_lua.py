@@ -9,7 +9,7 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from edgeq.core import events, leases, limits
+from edgeq.core import events, leases
 from edgeq.core.batching import combined
 from edgeq.core.scheduling import BAND_SPAN
 from edgeq.core.scripts import lua_file, lua_script, shipped_lua_files
@@ -74,7 +74,6 @@ async def test_every_script_file_and_every_script_as_sent_compiles(redis: Redis)
         batch_store._START_BATCH,
         batch_store._USAGE,
         batch_runner._TAKE_LINE,
-        limits._SETTLE,
     ]
     for source in as_sent:
         await redis.script_load(source)

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from edgeq.bench import limits_overhead
 from edgeq.core.errors import QueueFull, RateLimited
+from edgeq.core.events import EventLog
 from edgeq.core.keys import (
     batch_key,
     job_key,
@@ -31,7 +32,8 @@ from edgeq.core.keys import (
     reservation_key,
     tenancy_key,
 )
-from edgeq.core.limits import estimate_prompt_tokens, read_usage, set_limit, settle
+from edgeq.core.limits import estimate_prompt_tokens, read_usage, set_limit
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
 from edgeq.core.scheduling import Tenancy, publish_tenancy, read_tenancy
 from edgeq.producer.client import ChatClient
 from edgeq.producer.queue import Enqueued, JobQueue
@@ -70,6 +72,22 @@ async def used(redis: Redis, queue: str, tenant: str) -> dict[str, int]:
 
 def prompt_cost() -> int:
     return estimate_prompt_tokens({"messages": [{"role": "user", "content": PROMPT}]})
+
+
+def done(job_id: str, seq: int, *, prompt: int, completion: int) -> DoneEvent:
+    return DoneEvent(
+        job_id=job_id, seq=seq, finish_reason="stop",
+        usage=Usage(prompt_tokens=prompt, completion_tokens=completion),
+        timings=Timings(queued_ms=1.0, total_ms=2.0),
+    )  # fmt: skip
+
+
+async def end(
+    redis: Redis, queue: str, events: list[DeltaEvent | DoneEvent | ErrorEvent], tenant: str
+) -> None:
+    """Write a job's events as its worker does (at their seqs): the terminal one settles."""
+    log = EventLog(redis, replay_ttl_s=60, queue=queue)
+    await log.append_many(events, at_seq=True, tenant=tenant)
 
 
 async def test_requests_per_minute_refuse_with_what_is_left_and_reset_when_the_minute_turns(
@@ -118,17 +136,16 @@ async def test_tokens_per_minute_reserve_max_tokens_and_the_settlement_gives_bac
     assert refused.value.refusal.limit == "tokens"
     assert refused.value.refusal.remaining == 1000 - cost
 
-    # The job answered with 10 tokens on a 5-token prompt: the rest comes back, once.
-    back = await settle(
-        redis, queue, job.job_id, "acme", completion_tokens=10, prompt_tokens=5
-    )
-    assert back == cost - 15
+    # The job answered with 10 tokens on a 5-token prompt: the rest comes back, once, in the
+    # step that writes its done event.
+    answered = [DeltaEvent(job_id=job.job_id, seq=0, text="hi"),
+                done(job.job_id, 1, prompt=5, completion=10)]  # fmt: skip
+    await end(redis, queue, answered, "acme")
     assert (await used(redis, queue, "acme"))["tokens"] == 15
     assert (await used(redis, queue, "acme"))["day_tokens"] == 15
     assert not await redis.exists(reservation_key(queue, job.job_id))
-    # A second run of the job (continued after a worker kill) settles nothing more.
-    assert await settle(redis, queue, job.job_id, "acme", completion_tokens=0,
-                        prompt_tokens=None) == 0  # fmt: skip
+    # The same write sent again (its reply was lost) settles nothing more.
+    await end(redis, queue, answered, "acme")
     assert (await used(redis, queue, "acme"))["tokens"] == 15
     await client.submit(PROMPT, tenant="acme", max_tokens=600)  # fits again
 
@@ -141,8 +158,8 @@ async def test_a_settlement_names_the_tenant_it_settles_for(
     await limit(redis, queue, tpm={"acme": 1000, "other": 1000})
     job = await client.submit(PROMPT, tenant="acme", max_tokens=500)
     await client.submit(PROMPT, tenant="other", max_tokens=500)
-    assert await settle(redis, queue, job.job_id, "other", completion_tokens=0,
-                        prompt_tokens=0) == 0  # fmt: skip
+    await end(redis, queue, [done(job.job_id, 0, prompt=0, completion=0)], "other")
+    assert not await redis.exists(reservation_key(queue, job.job_id))
     assert (await used(redis, queue, "other"))["tokens"] == prompt_cost() + 500
     assert (await used(redis, queue, "acme"))["tokens"] == prompt_cost() + 500
 
@@ -163,10 +180,13 @@ async def test_a_settlement_in_a_later_minute_leaves_that_minute_alone(
     await freeze(redis, queue, NOON + timedelta(minutes=1))
     later = await client.submit(PROMPT, tenant="acme", max_tokens=100)
     assert later.job_id
-    await settle(redis, queue, job.job_id, "acme", completion_tokens=0, prompt_tokens=None)
+    # It ended in the next minute with 20 of its 500 tokens: the day gets 480 back.
+    await end(redis, queue, [DeltaEvent(job_id=job.job_id, seq=0, text="hi"),
+                             done(job.job_id, 1, prompt=prompt_cost(), completion=20)],
+              "acme")  # fmt: skip
     counts = await used(redis, queue, "acme")
     assert counts["tokens"] == prompt_cost() + 100  # this minute's own chat only
-    assert counts["day_tokens"] == 2 * prompt_cost() + 100  # the day got the 500 back
+    assert counts["day_tokens"] == 2 * prompt_cost() + 100 + 20
 
 
 async def test_the_day_budget_refuses_until_the_utc_day_turns(
@@ -383,7 +403,8 @@ async def test_a_real_worker_settles_each_chat_with_what_it_used(
     redis: Redis, worker: WorkerProcess
 ) -> None:
     """The shared worker's terminal step settles the reservation: the day's count ends as the
-    engine's exact prompt plus the answer's tokens, not the estimate plus max_tokens."""
+    engine's exact prompt plus the answer's tokens, not the estimate plus max_tokens. It is
+    settled in the step that writes the done event, so once the result is read it is."""
     queue, tenant = worker.env["EDGEQ_QUEUE"], f"settled-{uuid.uuid4().hex[:6]}"
     await set_limit(redis, queue, tenant, "tokens_per_day", 1_000_000)
     await freeze(redis, queue, NOON)  # only limited tenants read it: this test's own
@@ -392,10 +413,7 @@ async def test_a_real_worker_settles_each_chat_with_what_it_used(
             job = await client.submit(PROMPT, tenant=tenant, max_tokens=200)
             assert (await used(redis, queue, tenant))["day_tokens"] == prompt_cost() + 200
             result = await job.result()
-        deadline = time.monotonic() + 30  # the settlement follows the terminal write
-        while await redis.exists(reservation_key(queue, job.job_id)):
-            assert time.monotonic() < deadline, "the worker never settled the chat"
-            await asyncio.sleep(0.05)
+        assert not await redis.exists(reservation_key(queue, job.job_id))
         spent = result.usage.prompt_tokens + result.usage.completion_tokens
         assert (await used(redis, queue, tenant))["day_tokens"] == spent
     finally:

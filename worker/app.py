@@ -289,6 +289,7 @@ def loop_config(settings: WorkerSettings) -> LoopConfig:
         # A start after the first continues the stream where it stopped (jobs.py).
         max_tries=settings.max_continuations + 1,
         keep_result_s=settings.keep_result_s,
+        model=settings.model,
         abort_set=(
             cluster_abort_set_key(settings.queue)
             if is_cluster_url(settings.redis_url)

@@ -49,6 +49,9 @@ class ClaimedJob:
     payload: bytes | None
     job_try: int
     aborted: bool
+    #: Its tenant-of entry, "<band it was enqueued in>:<tenant>" (None: not queued through
+    #: edgeq's enqueue, or continued): what an expired job is counted under in the ledger.
+    queued_as: str | None = None
 
 
 async def claim_due_jobs(
@@ -103,6 +106,7 @@ async def claim_due_jobs(
             payload=claimed[i + 2],
             job_try=int(claimed[i + 3]),
             aborted=bool(claimed[i + 4]),
+            queued_as=claimed[i + 5].decode() if claimed[i + 5] else None,
         )
-        for i in range(0, len(claimed), 5)
+        for i in range(0, len(claimed), 6)
     ]

@@ -29,7 +29,6 @@ from edgeq.core.errors import StreamClosed
 from edgeq.core.events import AnyEvent, StreamTaken, read_events
 from edgeq.core.leases import hand_over_after_engine_failure
 from edgeq.core.ledger import LedgerScope
-from edgeq.core.limits import settle_ended
 from edgeq.core.protocol import ErrorCode, Usage
 from edgeq.worker.chat_run import ChatRun
 from edgeq.worker.lifecycle import NotFinishedHere, StartedJob
@@ -83,7 +82,7 @@ async def chat(state: WorkerState, job: StartedJob) -> dict[str, Any]:
     finally:
         state.metrics.job_ended(outcome, e2e_s=e2e_s)
         if finished_here:
-            await _settle(state, job.job_id, payload.tenant, publisher, outcome, usage)
+            _count_end(state, job.job_id, payload.tenant, publisher, outcome, usage)
         # No more renewals; the lease itself goes with arq's records, when the loop finishes
         # them (worker/lifecycle.py): released here, it left records Redis could not take
         # (an outage at the job's end) in the queue and in progress for good (#34).
@@ -106,7 +105,7 @@ def _publisher(state: WorkerState, job: StartedJob, earlier: list[AnyEvent]) -> 
     )
 
 
-async def _settle(
+def _count_end(
     state: WorkerState,
     job_id: str,
     tenant: str,
@@ -114,12 +113,12 @@ async def _settle(
     outcome: str,
     usage: Usage | None,
 ) -> None:
-    """What a job that ended here counts and keeps: its tenant's tally, its events for a
-    refill (worker/refill.py), and its reserved tokens settled (core/limits.py)."""
+    """What a job that ended here counts and keeps: its tenant's tally and its events for a
+    refill (worker/refill.py). Its reserved tokens were settled in the step that wrote its
+    terminal event (core/events.py): no round trip of their own."""
     state.metrics.tenant_job_ended(tenant, outcome, usage)
     if publisher.closed:
         state.recent.keep_events(job_id, publisher.stored, tenant, publisher.ledger)
-    await settle_ended(state.redis, state.settings.queue, job_id, tenant, publisher.stored)
 
 
 def _finished_here(error: BaseException) -> bool:

@@ -46,6 +46,7 @@ from edgeq.core.connection import REDIS_ERRORS, tls_hint
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
 from edgeq.core.keys import retry_key, wake_channel
+from edgeq.core.ledger import queued_scope, unanswered_scope
 from edgeq.core.protocol import ErrorEvent
 from edgeq.core.tasks import cancel_and_wait
 from edgeq.worker.arq_seam import (
@@ -124,6 +125,9 @@ class LoopConfig:
     keep_result_s: float = 60.0
     #: arq's abort set, or the queue's own on a Redis Cluster.
     abort_set: str = ARQ_ABORT_SET
+    #: EDGEQ_MODEL: what a job that fails before it starts is counted under in the usage
+    #: ledger ('': not counted there; its reservation is settled all the same).
+    model: str = ""
 
     @property
     def scan_limit(self) -> int:
@@ -351,13 +355,18 @@ class JobLoop:
         event = ErrorEvent(job_id=job.job_id, seq=0, code=ending.code.value, message=ending.message)
         # The event first, as a job that ran ends: should Redis fail in between, the lease
         # taken at the claim stays, and its expiry ends the job or hands it to a next claim.
+        # Counted in the ledger under its payload, or, an expired job's being gone, where it
+        # was queued; its reservation is settled in the event's step either way.
+        scope = unanswered_scope(job.payload, self.config.model) or queued_scope(
+            job.queued_as, self.config.model
+        )
         try:
-            published = await self.events.append(event)
+            published = await self.events.append(event, ledger=scope)
             log.info("job_failed", job_id=job.job_id, code=ending.code.value,
                      reason=ending.message)  # fmt: skip
             if self.recent is not None:
                 stored = event.model_copy(update={"seq": published.seq})
-                self.recent.keep_events(job.job_id, [stored], tenant=None)
+                self.recent.keep_events(job.job_id, [stored], tenant=None, ledger=scope)
         except StreamClosed:
             pass  # already ended (cancelled, or declared lost): one terminal event only
         await asyncio.shield(

@@ -301,6 +301,8 @@ class WorkerSettings(ConnectionSettings):
             tokens_per_day=counts(self.tenant_tokens_per_day),
             tokens_per_month=counts(self.tenant_tokens_per_month),
             max_tokens=self.max_tokens,
+            model=self.model,
+            usage_keep_s=self.usage_keep_s or 0,
         )
 
     @property

@@ -6,8 +6,10 @@ writes (the worker, a client cancelling, a reaper declaring a worker lost):
 - ``seq`` is assigned by Redis from the length of the job's replay stream: gap-free;
 - after a terminal event (``done`` or ``error``) nothing more is accepted: exactly one;
 - a terminal event counts its outcome (``done`` or the error code) in the queue's per-minute
-  tally that ``edgeq status`` reads (core/registry.py), and, when its writer knows the job's
-  scope, its usage in the tenant's usage ledger (core/ledger.py);
+  tally that ``edgeq status`` reads (core/registry.py), settles the tokens the job reserved
+  at admission against its tenant's limits (lua/settle.lua, core/limits.py; whoever writes
+  it, so every end settles, once), and, when its writer knows the job's scope, counts its
+  usage in the tenant's usage ledger (core/ledger.py);
 - the event is appended to the replay stream ``edgeq:events:{<job_id>}`` (stream id
   ``<seq>-1``, so ``after_seq`` maps onto stream ids) and published on
   ``edgeq:stream:<job_id>`` in the same step: a reader that subscribes first and then reads
@@ -27,7 +29,9 @@ from edgeq.core.batching import BatchedScript
 from edgeq.core.errors import StreamClosed
 from edgeq.core.keys import (
     events_key,
+    limits_usage_prefix,
     outcomes_key,
+    reservation_key,
     stream_channel,
     terminal_key,
     usage_key,
@@ -41,8 +45,8 @@ from edgeq.core.scripts import lua_script
 # has its seq third (after type and job_id) and at least one field after it.
 _SEQ_FIELD = b'"seq":%d,'
 
-# KEYS, ARGV and replies: lua/publish_event.lua.
-_PUBLISH = lua_script("publish_event")
+# KEYS, ARGV and replies: lua/publish_event.lua; the settlement it ends with: lua/settle.lua.
+_PUBLISH = lua_script("settle", "publish_event")
 
 AnyEvent = DeltaEvent | DoneEvent | ErrorEvent
 
@@ -52,6 +56,17 @@ OUTCOME_RETENTION_S = 3900
 
 _EVENTS_LOST = -2
 _STREAM_TAKEN = -3
+
+
+def _settlement(event: DoneEvent | ErrorEvent) -> tuple[str, str]:
+    """The completion and prompt tokens a terminal event settles its job's reservation with:
+    a done event's exact usage; an error, what was reserved (-1, -1: the reservation stands).
+    Tokens a job streamed before an error are not known here (deltas carry text, not
+    tokens), and giving them back would make a cancel just before the end a way round the
+    limits; the script gives everything back to a job that wrote nothing before its error."""
+    if isinstance(event, DoneEvent):
+        return str(event.usage.completion_tokens), str(event.usage.prompt_tokens)
+    return "-1", "-1"
 
 
 class StreamTaken(StreamClosed):
@@ -98,7 +113,12 @@ class EventLog:
         self._ttl_ms = str(int(replay_ttl_s * 1000))
 
     def _arguments(
-        self, event: AnyEvent, wanted: int, tenant: str | None, ledger: LedgerScope | None
+        self,
+        event: AnyEvent,
+        wanted: int,
+        tenant: str | None,
+        ledger: LedgerScope | None,
+        ledger_keep_s: int | None,
     ) -> tuple[list[str], list[bytes | str]]:
         raw = event.model_dump_json(exclude_none=True).encode()
         head, tail = raw.split(_SEQ_FIELD % event.seq, 1)
@@ -108,20 +128,30 @@ class EventLog:
         args: list[bytes | str] = [head, tail, "1", self._ttl_ms, str(wanted)]
         if self._queue is not None:
             now_s = time.time()
-            keys.append(outcomes_key(self._queue, now_s))
+            keys += [outcomes_key(self._queue, now_s), reservation_key(self._queue, event.job_id)]
             outcome = "done" if isinstance(event, DoneEvent) else event.code
             tenant = ledger.tenant if ledger is not None else tenant
             args += [outcome, str(OUTCOME_RETENTION_S), tenant or ""]
-            if ledger is not None and self._usage_keep_s is not None:
+            args += [limits_usage_prefix(self._queue), *_settlement(event)]
+            keep_s = ledger_keep_s if ledger_keep_s is not None else self._usage_keep_s
+            if ledger is not None and keep_s:
                 day = usage_day(now_s)
                 keys += [usage_key(self._queue, ledger.tenant, day),
                          usage_tenants_key(self._queue, day)]  # fmt: skip
-                args += [str(self._usage_keep_s), *ledger_arguments(ledger, event)]
+                args += [str(keep_s), *ledger_arguments(ledger, event)]
         return keys, args
 
-    async def append(self, event: AnyEvent) -> Published:
+    async def append(
+        self,
+        event: AnyEvent,
+        *,
+        ledger: LedgerScope | None = None,
+        ledger_keep_s: int | None = None,
+    ) -> Published:
         """Append one event (its ``seq`` is ignored: Redis assigns it)."""
-        return (await self.append_many([event]))[0]
+        return (
+            await self.append_many([event], ledger=ledger, ledger_keep_s=ledger_keep_s)
+        )[0]
 
     async def append_many(
         self,
@@ -130,14 +160,20 @@ class EventLog:
         at_seq: bool = False,
         tenant: str | None = None,
         ledger: LedgerScope | None = None,
+        ledger_keep_s: int | None = None,
     ) -> list[Published]:
         """Append several events of one job, in order, in one round trip. With ``at_seq``
         each goes at its own ``seq`` (the job's one publisher numbers its events), so sending
         the same events again after a lost reply changes nothing; else Redis numbers them.
         ``tenant``: the job's, to count a terminal outcome per tenant too; ``ledger``: the
-        job's scope, to count a terminal event in the usage ledger (its tenant wins)."""
+        job's scope, to count a terminal event in the usage ledger (its tenant wins);
+        ``ledger_keep_s``: how long the ledger keeps it, for a writer built without
+        ``usage_keep_s`` (a client cancelling: the workers' EDGEQ_USAGE_KEEP_DAYS as they
+        published it in the tenancy hash, core/scheduling.py ``Tenancy``; 0: no ledger). A
+        terminal event settles the job's reservation whether or not its writer knows the
+        job (lua/settle.lua)."""
         calls = [
-            self._arguments(event, event.seq if at_seq else -1, tenant, ledger)
+            self._arguments(event, event.seq if at_seq else -1, tenant, ledger, ledger_keep_s)
             for event in events
         ]
         replies = await self._publish.call_many(calls)

@@ -36,8 +36,8 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
   after EDGEQ_DEAD_LETTER_TTL_S (core/dead_letter.py, ``edgeq dead-letter``).
 - ``{queue}:limits-usage:<tenant>``: hash, what a tenant with rate limits or token budgets
   used in the current minute, UTC day and month; ``{queue}:reservation:<id>``: hash, the
-  tokens a job reserved at admission, until its end settles them (core/limits.py,
-  lua/limits.lua).
+  tokens a job reserved at admission, until its end settles them in the step that writes its
+  terminal event, whoever writes it (core/events.py, lua/settle.lua, lua/limits.lua).
 - ``{queue}:idempotency:<tenant>:<key>``: the job id a submit's idempotency key was given,
   and a hash of its request, for EDGEQ_IDEMPOTENCY_TTL_S (lua/enqueue.lua).
 - ``{queue}:usage:<tenant>:<YYYY-MM-DD>``: hash, the tenant's usage ledger for one UTC day,
@@ -166,7 +166,13 @@ def idempotency_key(queue: str, tenant: str, key: str) -> str:
 def limits_usage_key(queue: str, tenant: str) -> str:
     """A hash per tenant with limits: its requests and tokens this minute, its tokens this UTC
     day and month, each beside the window it counts (lua/limits.lua)."""
-    return f"{queue}:limits-usage:{tenant}"
+    return f"{limits_usage_prefix(queue)}{tenant}"
+
+
+def limits_usage_prefix(queue: str) -> str:
+    """``limits_usage_key`` without its tenant: the terminal step (lua/settle.lua) adds the
+    tenant a job's reservation names, so a writer that does not know it still settles it."""
+    return f"{queue}:limits-usage:"
 
 
 def reservation_key(queue: str, job_id: str) -> str:

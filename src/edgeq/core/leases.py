@@ -33,9 +33,11 @@ from edgeq.core.keys import (
     job_key,
     leases_key,
     retry_key,
+    tenancy_key,
     terminal_key,
     wake_channel,
 )
+from edgeq.core.ledger import unanswered_scope
 from edgeq.core.protocol import ErrorCode, ErrorEvent
 from edgeq.core.scripts import lua_script, registered
 
@@ -155,10 +157,17 @@ async def declare_poison(redis: Redis, log: EventLog, job_id: str, *, queue: str
 
 
 async def _end_for_good(redis: Redis, log: EventLog, event: ErrorEvent, *, queue: str) -> bool:
-    """Append the job's terminal event and remove arq's records, so arq never runs it again."""
+    """Append the job's terminal event and remove arq's records, so arq never runs it again.
+    The event's step settles the job's reserved tokens (core/events.py); it is counted in the
+    usage ledger under what its payload says, read first (a rare end: one round trip more)."""
     job_id = event.job_id
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.get(job_key(job_id))
+        pipe.hmget(tenancy_key(queue), "model", "usage_keep_s")
+        payload, (model, keep_s) = await pipe.execute()
+    scope = unanswered_scope(payload, (model or b"").decode())
     try:
-        await log.append(event)
+        await log.append(event, ledger=scope, ledger_keep_s=int(keep_s or 0))
         ended = True
     except StreamClosed:
         ended = False

@@ -17,14 +17,19 @@ ever written here.
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
+from edgeq.core.adapters import valid_name
 from edgeq.core.keys import usage_key, usage_tenants_key
 from edgeq.core.protocol import DoneEvent, ErrorEvent
+from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT, PRIORITIES, TENANT_PATTERN
 
 #: The counters a row has besides its errors, in the order they are shown.
 COUNTERS = (
@@ -50,6 +55,48 @@ class LedgerScope:
 
     def field(self, counter: str) -> str:
         return SEPARATOR.join((self.model, self.priority, counter))
+
+
+def _request_of(payload: bytes | None) -> dict[str, Any]:
+    """The chat request in an arq job record as edgeq writes it (JSON), else {}."""
+    try:
+        job = json.loads(payload) if payload else None
+    except ValueError:  # not edgeq's JSON (the worker ends such a job itself)
+        return {}
+    request = job.get("a", [None])[0] if isinstance(job, dict) and job.get("a") else None
+    return request if isinstance(request, dict) else {}
+
+
+def unanswered_scope(payload: bytes | None, model: str) -> LedgerScope | None:
+    """Where a job that ends without a worker's answer (a client's cancel, ``worker_lost``,
+    ``poison_job``) is counted, from its payload as it is in Redis: its tenant and class as
+    the worker reads them (worker/wire.py: an invalid one counts to the default), and the
+    adapter it names, else ``model``, the workers' EDGEQ_MODEL as they published it (a
+    tenant's default adapter is applied on a worker only). None without a payload or a
+    model: the end still settles its reservation, and is not in the ledger."""
+    request = _request_of(payload)
+    if not request or not model:
+        return None
+    tenant = request.get("tenant")
+    if not (isinstance(tenant, str) and re.fullmatch(TENANT_PATTERN, tenant)):
+        tenant = DEFAULT_TENANT
+    priority = request.get("priority")
+    adapter = request.get("adapter")
+    return LedgerScope(
+        tenant,
+        adapter if isinstance(adapter, str) and valid_name(adapter) else model,
+        priority if priority in PRIORITIES else DEFAULT_PRIORITY,
+    )
+
+
+def queued_scope(queued_as: str | None, model: str) -> LedgerScope | None:
+    """Where a job whose payload expired in the queue is counted: the tenant and class its
+    claim found in the queue's tenant-of entry (``<band>:<tenant>``, worker/claim.py), and
+    ``model`` (the adapter it named went with its payload)."""
+    band, _, tenant = (queued_as or "").partition(":")
+    if not tenant or not band.isdigit() or int(band) >= len(PRIORITIES) or not model:
+        return None
+    return LedgerScope(tenant, model, PRIORITIES[int(band)])
 
 
 def usage_day(now_s: float) -> str:

@@ -9,16 +9,18 @@ month. A tenant with none set is not counted at all.
   same Redis step as the queue's own checks: a burst of submits can never pass a limit. A chat
   costs one request and its tokens: its prompt, estimated (``estimate_prompt_tokens``), and
   its whole ``max_tokens`` (the workers' EDGEQ_MAX_TOKENS when it sets none), reserved at once.
-- **Settlement**, when the job ends (``settle``, called by the worker after its terminal
-  write): the reservation is replaced by what the chat used, the exact prompt and the
-  completion tokens it produced, in every window it was admitted in that is still current.
+- **Settlement**, when the job ends, in the step that writes its terminal event, whoever
+  writes it (lua/publish_event.lua with lua/settle.lua, core/events.py): the reservation is
+  replaced by what the chat used, in every window it was admitted in that is still current.
+  A ``done`` counts the exact prompt and the completion tokens it produced; an error, a
+  cancel, ``expired``, ``worker_lost`` or ``poison_job`` counts the prompt's estimate and no
+  completion tokens, or nothing at all when the job wrote nothing before it (it never ran).
 
 Windows are fixed, on Redis's clock: the UTC minute, day and calendar month.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -27,13 +29,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from edgeq.core.connection import REDIS_ERRORS
-from edgeq.core.keys import limits_usage_key, reservation_key, tenancy_key
-from edgeq.core.protocol import DoneEvent, dump_json
+from edgeq.core.keys import limits_usage_key, tenancy_key
+from edgeq.core.protocol import dump_json
 from edgeq.core.scheduling import LIMIT_FIELDS
-from edgeq.core.scripts import lua_script, registered
-
-_SETTLE = lua_script("settle")
 
 #: A prompt's tokens are estimated at admission as one per this many characters of its
 #: messages (and tools) as JSON: OpenAI's rule of thumb for English. The settlement replaces
@@ -114,45 +112,6 @@ async def set_limit(
         await redis.hset(tenancy_key(queue), field, str(value))
     else:
         await redis.hdel(tenancy_key(queue), field)
-
-
-async def settle(
-    redis: Redis,
-    queue: str,
-    job_id: str,
-    tenant: str,
-    *,
-    completion_tokens: int,
-    prompt_tokens: int | None,
-) -> int:
-    """Replace an ended job's reservation by what it used (lua/settle.lua): ``prompt_tokens``
-    None keeps the estimate. Returns the tokens given back (negative: charged more); 0 for a
-    job with nothing reserved or already settled."""
-    script = registered(redis, _SETTLE)
-    back = await script(
-        keys=[reservation_key(queue, job_id), limits_usage_key(queue, tenant)],
-        args=[completion_tokens, -1 if prompt_tokens is None else prompt_tokens, tenant],
-    )
-    return int(back)
-
-
-async def settle_ended(
-    redis: Redis, queue: str, job_id: str, tenant: str, events: Sequence[Any]
-) -> None:
-    """Settle a job that ended, from its events (the worker's, after its terminal write): a
-    ``done`` event's usage; any other end, its estimated prompt and no completion tokens.
-    Redis being away leaves the reservation to expire (the tokens stay counted)."""
-    last = events[-1] if events else None
-    usage = last.usage if isinstance(last, DoneEvent) else None
-    with contextlib.suppress(*REDIS_ERRORS):
-        await settle(
-            redis,
-            queue,
-            job_id,
-            tenant,
-            completion_tokens=usage.completion_tokens if usage is not None else 0,
-            prompt_tokens=usage.prompt_tokens if usage is not None else None,
-        )
 
 
 class TenantUsage(BaseModel):

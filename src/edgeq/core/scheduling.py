@@ -81,6 +81,11 @@ class Tenancy(BaseModel):
     tokens_per_month: dict[str, int] = Field(default_factory=dict)
     #: The workers' EDGEQ_MAX_TOKENS: what a chat that sets no max_tokens reserves.
     max_tokens: int = Field(256, ge=1)
+    #: The workers' EDGEQ_MODEL and EDGEQ_USAGE_KEEP_DAYS in seconds (0: no ledger): what a
+    #: client that ends a job no worker answered (a cancel) counts it under in the usage
+    #: ledger, and for how long (core/ledger.py).
+    model: str = ""
+    usage_keep_s: int = Field(0, ge=0)
 
     def limits_of(self, name: str) -> dict[str, int]:
         """One of LIMIT_FIELDS' limits, tenant -> value."""
@@ -104,6 +109,8 @@ async def publish_tenancy(redis: Redis, queue: str, tenancy: Tenancy) -> None:
         **{f"weight:{tenant}": repr(weight) for tenant, weight in tenancy.weights.items()},
         **{f"max_queued:{tenant}": str(cap) for tenant, cap in tenancy.max_queued.items()},
         "max_tokens": str(tenancy.max_tokens),
+        "model": tenancy.model,
+        "usage_keep_s": str(tenancy.usage_keep_s),
         **{
             f"{prefix}{tenant}": str(value)
             for name, prefix in LIMIT_FIELDS.items()
@@ -138,6 +145,8 @@ async def read_tenancy(redis: Redis, queue: str) -> Tenancy | None:
         default_weight=float(raw.get("default_weight", "1")),
         aging_s=int(raw.get("aging_ms", "0")) / 1000,
         max_tokens=int(raw.get("max_tokens", "256")),
+        model=raw.get("model", ""),
+        usage_keep_s=int(raw.get("usage_keep_s", "0")),
         **{
             name: {
                 key.removeprefix(prefix): int(value)

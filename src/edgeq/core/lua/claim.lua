@@ -48,6 +48,9 @@ for i = 1, #head, 2 do
     claimed[#claimed + 1] = redis.call('GET', payload_key)
     claimed[#claimed + 1] = starts
     claimed[#claimed + 1] = redis.call('ZREM', abort, job_id)
+    -- Where it was queued, for a job whose payload expired: its end is counted there in the
+    -- usage ledger (core/ledger.py queued_scope), the payload being gone.
+    claimed[#claimed + 1] = tenant and (born .. ':' .. tenant) or false
   end
 end
 -- Each band's virtual clock: the largest start tag taken in it.

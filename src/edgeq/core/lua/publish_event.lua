@@ -1,18 +1,24 @@
 -- Append one event to a job's log: its replay stream and its pub/sub channel, in one step
--- (core/events.py EventLog). Runs in a BatchedScript (core/batching.py).
+-- (core/events.py EventLog; needs settle.lua). Runs in a BatchedScript (core/batching.py).
 --
 -- KEYS: the job's replay stream, its terminal key, its stream channel, then for a counted
--- terminal event the queue's outcome tally. ARGV: the event's JSON before and after its seq,
--- terminal flag, TTL (ms), the seq the writer wants (-1: the next one), then for a counted
--- terminal event its outcome, retention (s) and the job's tenant ('': not known), whose
--- outcomes are counted too, as tenant:<name>:<outcome>. Then, for a terminal event that
--- goes into the usage ledger (core/ledger.py): KEYS 5 and 6 the tenant's usage hash for the
--- day and the day's tenant index, ARGV 9 their lifetime (s), ARGV 10 on field, increment
--- pairs. Returns {seq, listeners}.
+-- terminal event the queue's outcome tally and the job's reservation (core/keys.py
+-- reservation_key). ARGV: the event's JSON before and after its seq, terminal flag, TTL (ms),
+-- the seq the writer wants (-1: the next one), then for a counted terminal event its outcome,
+-- retention (s) and the job's tenant ('': not known), whose outcomes are counted too, as
+-- tenant:<name>:<outcome>; then the settlement's: the prefix of a tenant's limits usage hash
+-- (limits_usage_key with no tenant), the completion tokens the job produced and its prompt's
+-- tokens (-1 each: what was reserved stands). Then, for a terminal event that goes into the usage
+-- ledger (core/ledger.py): KEYS 6 and 7 the tenant's usage hash for the day and the day's
+-- tenant index, ARGV 12 their lifetime (s), ARGV 13 on field, increment pairs. Returns
+-- {seq, listeners}.
 --
--- The ledger is counted here, in the step that writes the terminal event, so a job is counted
--- exactly once: a retry that finds its event stored returns before this, and a stream with a
--- terminal event takes no second one.
+-- The ledger is counted and the reservation settled here, in the step that writes the terminal
+-- event, so a job is counted and settled exactly once: a retry that finds its event stored
+-- returns before this, and a stream with a terminal event takes no second one. An error end
+-- keeps what its job reserved (what it streamed before is not known in tokens), unless
+-- nothing came before it in the stream (seq 0: a job cancelled or expired in the queue, or
+-- refused before its first token): never answered, it is charged nothing.
 --
 -- A wanted seq makes a retry idempotent: the same event already at that seq (its reply was
 -- lost) is reported again, not appended twice; another event there means another run of the
@@ -43,14 +49,17 @@ if ARGV[3] == '1' then
       redis.call('HINCRBY', KEYS[4], 'tenant:' .. ARGV[8] .. ':' .. ARGV[6], 1)
     end
     redis.call('EXPIRE', KEYS[4], ARGV[7])
+    local completion, prompt = tonumber(ARGV[10]), tonumber(ARGV[11])
+    if completion < 0 and seq == 0 then completion, prompt = 0, 0 end
+    settle(KEYS[5], ARGV[9], ARGV[8], completion, prompt)
   end
   if #KEYS > 5 then
-    for i = 10, #ARGV, 2 do
-      redis.call('HINCRBY', KEYS[5], ARGV[i], ARGV[i + 1])
+    for i = 13, #ARGV, 2 do
+      redis.call('HINCRBY', KEYS[6], ARGV[i], ARGV[i + 1])
     end
-    redis.call('EXPIRE', KEYS[5], ARGV[9])
-    redis.call('SADD', KEYS[6], ARGV[8])
-    redis.call('EXPIRE', KEYS[6], ARGV[9])
+    redis.call('EXPIRE', KEYS[6], ARGV[12])
+    redis.call('SADD', KEYS[7], ARGV[8])
+    redis.call('EXPIRE', KEYS[7], ARGV[12])
   end
 end
 local listeners = redis.call('PUBLISH', KEYS[3], event)
