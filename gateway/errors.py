@@ -23,6 +23,7 @@ from edgeq.core.errors import (
     InvalidRequest,
     JobFailed,
     JobTimeout,
+    PoisonRefused,
     QueueFull,
     RateLimited,
     RedisUnavailable,
@@ -78,6 +79,16 @@ def job_error(code: str, message: str) -> ApiError:
 
 def client_error(error: EdgeqError, *, retry_after_s: int | None = None) -> ApiError:
     """What ChatClient raised, as the HTTP error a caller of OpenAI expects."""
+    if isinstance(error, PoisonRefused):
+        # 422 like the poison_job it repeats (JOB_ERROR_STATUS): an SDK does not retry it, and
+        # waiting a few seconds would not help (Retry-After says when the refusal ends).
+        return ApiError(
+            422,
+            str(error),
+            type="invalid_request_error",
+            code="poison_refused",
+            headers={"Retry-After": str(error.retry_after_s)},
+        )
     if isinstance(error, InvalidRequest):  # its message starts with the field at fault
         return ApiError(
             400,

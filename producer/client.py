@@ -32,12 +32,14 @@ from edgeq.core.errors import (
     InvalidRequest,
     JobFailed,
     JobTimeout,
+    PoisonRefused,
     QueueFull,
     RateLimited,
     RedisUnavailable,
     StreamBroken,
 )
 from edgeq.core.events import EventLog, finished_with, read_events
+from edgeq.core.fingerprint import request_fingerprint
 from edgeq.core.keys import idempotency_key as idempotency_key_name
 from edgeq.core.keys import new_job_id
 from edgeq.core.leases import abandoned, declare_lost, hand_over, lease_expired
@@ -266,6 +268,7 @@ class ChatJob:
                     deadline_s=settings.continue_within_s,
                     lease_ttl_s=settings.lease_ttl_s,
                     dead_letter_ttl_s=settings.dead_letter_ttl_s,
+                    poison_refuse_s=settings.poison_refuse_s,
                 )
             elif await abandoned(client.redis, settings.queue, self.job_id):
                 await declare_lost(
@@ -324,7 +327,9 @@ class ChatClient:
         worker serves or will is refused here (InvalidRequest). Raises QueueFull when
         EDGEQ_MAX_QUEUE jobs are queued or running, or the tenant has its
         EDGEQ_TENANT_MAX_QUEUED queued; RateLimited (a QueueFull) when the tenant's rate limit
-        or token budget is spent (docs/limits.md).
+        or token budget is spent (docs/limits.md). PoisonRefused (an InvalidRequest) when the
+        same request was quarantined as a poison job within EDGEQ_POISON_REFUSE_S
+        (docs/dead-letter.md).
 
         ``idempotency_key``: a submit retried with the same key (per tenant) within
         EDGEQ_IDEMPOTENCY_TTL_S gets the job the first one enqueued, attached from its replay
@@ -370,6 +375,7 @@ class ChatClient:
                     priority=request.priority,
                     after=subscribed,
                     idempotency=idempotency,
+                    fingerprint=request_fingerprint(payload) if settings.poison_refuse_s else None,
                 )
         except BaseException:
             await job.aclose()
@@ -389,6 +395,8 @@ class ChatClient:
             return IdempotencyConflict(str(idempotency_key), tenant, str(detail))
         if outcome is Enqueued.RATE_LIMITED:
             return RateLimited(tenant, detail)
+        if outcome is Enqueued.POISON_REFUSED:
+            return PoisonRefused(detail.job_id, detail.fingerprint, detail.left_s)
         if outcome is Enqueued.TENANT_FULL:
             return QueueFull(
                 f"tenant {tenant} already has {detail} jobs queued "

@@ -19,6 +19,7 @@ from edgeq.core.dead_letter import (
     read_dead_letter,
 )
 from edgeq.core.errors import InvalidRequest
+from edgeq.core.fingerprint import lift_refusal
 from edgeq.core.protocol import ChatRequest
 from edgeq.core.settings import ConnectionSettings
 from edgeq.exit_codes import EXIT_OK
@@ -110,6 +111,9 @@ async def _retry(args: argparse.Namespace) -> int:
             letter = await _entry(client.redis, settings, args.job_id)
         if letter.request is None:
             raise InvalidRequest(f"job {args.job_id}: its record holds no readable request")
+        if letter.fingerprint is not None:  # else the door refuses the request sent here
+            with redis_errors(settings.redis_url):
+                await lift_refusal(client.redis, settings.queue, letter.fingerprint)
         job = await client.submit(ChatRequest.model_validate(letter.request))
         await job.aclose()  # the new job goes on; watch it with `edgeq watch`
         if not args.keep:
@@ -141,11 +145,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     listing = actions.add_parser("list", help="every quarantined job: id, when, why, tenant, model")
     listing.add_argument("--json", action="store_true", help="print it as JSON")
     show = actions.add_parser("show", help="one quarantined job and its request")
-    retry = actions.add_parser("retry", help="enqueue its request again; prints the new job id")
+    retry = actions.add_parser(
+        "retry", help="lift its refusal at the door, enqueue its request again; prints the new id"
+    )
     retry.add_argument(
         "--keep", action="store_true", help="keep the entry (by default a retried one is dropped)"
     )
-    drop = actions.add_parser("drop", help="forget a quarantined job")
+    drop = actions.add_parser(
+        "drop", help="forget a quarantined job, and accept its request at the door again"
+    )
     for parser in (show, retry, drop):
         parser.add_argument("job_id", help="the quarantined job's id (from `list`)")
     for parser in (listing, show):

@@ -25,6 +25,7 @@ from edgeq.core.keys import (
     fair_key,
     job_key,
     limits_usage_key,
+    poison_refusal_key,
     queued_by_tenant_key,
     reservation_key,
     tenancy_key,
@@ -68,14 +69,27 @@ class Enqueued(IntEnum):
     RATE_LIMITED = -4
     #: The tenant has limits and the call did not pass the keys to count them against.
     UNLIMITED_CALLER = -5
+    #: The same request (its fingerprint: core/fingerprint.py) was quarantined as a poison
+    #: job, within EDGEQ_POISON_REFUSE_S.
+    POISON_REFUSED = -6
+
+
+class Quarantined(NamedTuple):
+    """Why a POISON_REFUSED request was refused: the quarantined job that had the same
+    fingerprint, and how long the refusal still holds."""
+
+    job_id: str
+    fingerprint: str
+    left_s: float
 
 
 class EnqueueOutcome(NamedTuple):
     outcome: Enqueued
     #: The tenant's EDGEQ_TENANT_MAX_QUEUED for TENANT_FULL; the job the idempotency key was
     #: given to for EXISTING and IDEMPOTENCY_CONFLICT; which limit and what is left of it for
-    #: RATE_LIMITED (two fields: callers unpack a pair).
-    detail: int | str | RateLimitRefusal = 0
+    #: RATE_LIMITED; the quarantined job for POISON_REFUSED (two fields: callers unpack a
+    #: pair).
+    detail: int | str | RateLimitRefusal | Quarantined = 0
 
     @property
     def tenant_cap(self) -> int:
@@ -124,6 +138,7 @@ class JobQueue:
         priority: Priority | None,
         after: asyncio.Future[Any] | None = None,
         idempotency: Idempotency | None = None,
+        fingerprint: str | None = None,
     ) -> EnqueueOutcome:
         """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit; the
         lines of batches are not counted for an interactive or default job) or the tenant has
@@ -134,7 +149,9 @@ class JobQueue:
         gone and ends it with ``expired`` instead of starting it late. ``after``: a future the
         enqueue is not sent before, and not at all if it fails (core/batching.py).
         ``idempotency``: a job already given its key is the answer (EXISTING), or a conflict
-        if its request differs; nothing is enqueued then.
+        if its request differs; nothing is enqueued then. ``fingerprint``
+        (core/fingerprint.py): refused (POISON_REFUSED) while the same request's quarantine
+        is recorded; None: not checked.
         """
         now_ms = time.time() * 1000
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
@@ -158,8 +175,14 @@ class JobQueue:
         # The tenant's limits (core/limits.py): admitted and reserved in the same step.
         keys += [limits_usage_key(self.name, tenant), reservation_key(self.name, job_id)]
         args += [estimate_prompt_tokens(request), int(request.get("max_tokens") or 0)]
+        if fingerprint is not None:
+            keys.append(poison_refusal_key(self.name, fingerprint))
         reply = await self._enqueue(keys, args, after=after)
         outcome = Enqueued(int(reply[0]))
+        if outcome is Enqueued.POISON_REFUSED:
+            held = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
+            left_s = max(0, int(reply[2])) / 1000
+            return EnqueueOutcome(outcome, Quarantined(held, str(fingerprint), left_s))
         if outcome in (Enqueued.EXISTING, Enqueued.IDEMPOTENCY_CONFLICT):
             held = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
             return EnqueueOutcome(outcome, held)

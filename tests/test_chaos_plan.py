@@ -20,12 +20,15 @@ from redis import Redis
 
 from edgeq.cli import build_parser
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.exit_codes import EXIT_JOB_FAILED
 from edgeq.producer.client import build_request
 from edgeq.testing.chaos import (
     FAULT_GAP_S,
     FAULT_KINDS,
     JOB_KINDS,
+    POISON_KIND,
     QUIET_TAIL,
+    Campaign,
     Cluster,
     Fault,
     FaultRecord,
@@ -41,6 +44,7 @@ from edgeq.testing.chaos import (
     percentile,
     windows_of,
 )
+from edgeq.testing.engine_poison import POISON_ENV, POISON_SEED
 from edgeq.testing.processes import WorkerProcess
 
 JOB = "a" * 32
@@ -168,6 +172,36 @@ def test_an_ending_is_checked_against_its_kind() -> None:
     assert check_outcome(record("plain", error(0, "cancelled"), gateway_cut=True), None) == []
 
 
+def test_a_chat_quarantined_with_a_poison_request_is_no_problem_only_after_one_was_sent() -> None:
+    # A chat that shared both engines a poison request killed is quarantined with it (#41's
+    # known gap): allowed once a poison request was sent, a problem before.
+    bystander = record("plain", error(0, "poison_job"))
+    assert check_outcome(bystander, None)
+    assert check_outcome(bystander, None, after_poison=True) == []
+    # The poison request itself must end poison_job, and nothing else.
+    assert check_outcome(record(POISON_KIND, error(0, "poison_job")), None, after_poison=True) == []
+    assert check_outcome(record(POISON_KIND, error(0, "worker_lost")), None, after_poison=True)
+
+
+def test_bystanders_are_their_own_figure_not_failures(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, tmp_path, 0, False, 5.0, 8.0, True)
+    try:
+        campaign = Campaign(cluster, 1, 90, 8, ["poison"])
+        campaign.report = Report(1, 90)
+        poison = record(POISON_KIND, error(0, "poison_job"))
+        bystander = JobRecord(JobSpec(1, "plain", "hi", {}), "b" * 32, 0.0,
+                              events=[ErrorEvent(job_id="b" * 32, seq=0, code="poison_job",
+                                                 message="m")])  # fmt: skip
+        campaign.records = [poison, bystander]
+        report = campaign._summarize()
+    finally:
+        shutil.rmtree(cluster.tmpdir, ignore_errors=True)
+    assert report.failed == {"poison_job": 1}  # the poison request itself
+    assert report.quarantined_bystanders == ["b" * 32]
+    assert report.problems == []
+    assert "(bystanders) 1" in report.render()
+
+
 def test_a_json_answer_that_stopped_must_parse_one_cut_short_need_not() -> None:
     good = record("json", delta(0, '{"answer": "hi"}'), done(1))
     assert check_outcome(good, '{"answer": "hi"}') == []
@@ -218,6 +252,9 @@ def test_the_command_takes_its_options() -> None:
     assert build_parser(["chaos"]).parse_args(["chaos"]).faults is None
     chaos_help = build_parser(["chaos"])._subparsers._group_actions[0].choices["chaos"]
     assert all(kind in chaos_help.format_help() for kind in FAULT_KINDS)
+    assert build_parser(["chaos"]).parse_args(["chaos", "--faults", "poison"]).faults == (
+        "poison",
+    )
 
 
 # --- Redis restarted on its data -------------------------------------------------------------
@@ -311,4 +348,33 @@ async def test_a_worker_ready_only_after_its_start_timeout_is_counted_as_serving
         supervisor.cancel()
         slot.worker.process.kill()
         slot.worker.process.wait()
+        shutil.rmtree(cluster.tmpdir, ignore_errors=True)
+
+
+async def test_a_worker_whose_engine_a_poison_request_killed_is_no_surprise(
+    tmp_path: Path,
+) -> None:
+    """While a poison request is out, a serving worker exiting 1 (its engine died of it) is
+    counted as the poison's, not as a worker that died on its own; the workers of a campaign
+    with a poison fault have the poison armed."""
+    cluster = Cluster(tmp_path, tmp_path, 1, False, 5.0, 8.0, True, poison=True)
+    slot = cluster.slots[0]
+    assert cluster.worker_env(slot)[POISON_ENV] == str(POISON_SEED)
+    dying = subprocess.Popen(  # noqa: ASYNC220 (returns at once)
+        [sys.executable, "-c", f"raise SystemExit({EXIT_JOB_FAILED})"]
+    )
+    slot.worker = WorkerProcess({}, tmp_path / "worker.log", process=dying)
+    slot.ready, slot.incarnation, cluster.poisoning = True, 1, True
+    supervisor = asyncio.create_task(cluster.supervise(slot))
+    try:
+        deadline = time.monotonic() + 10  # well before its restart (RESTART_DELAY_S)
+        while not cluster.poison_deaths and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert cluster.poison_deaths == ["worker-0#1"]
+        assert cluster.surprises == []
+    finally:
+        cluster.closing = True  # no restart
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+        dying.wait()
         shutil.rmtree(cluster.tmpdir, ignore_errors=True)

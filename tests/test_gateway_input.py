@@ -20,11 +20,15 @@ import redis as sync_redis
 from openai.types.responses import ResponseErrorEvent, ResponseStreamEvent
 from redis.asyncio import Redis
 
-from edgeq.core.keys import batches_key, files_key
-from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage
+from edgeq.core.fingerprint import request_fingerprint
+from edgeq.core.keys import batches_key, files_key, poison_refusal_key
+from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, Timings, Usage, job_payload
+from edgeq.core.settings import ConnectionSettings
 from edgeq.core.structured import FunctionCall, ToolCall
 from edgeq.gateway.settings import GatewaySettings
+from edgeq.producer.client import build_request
 from edgeq.resources.batches.store import BatchStore
+from edgeq.resources.openai_api import ChatCompletionRequest
 from edgeq.resources.responses.events import ResponseEvents, error_event
 from edgeq.resources.responses.store import StoredResponse
 from edgeq.testing.processes import GatewayProcess, RedisServer
@@ -252,6 +256,33 @@ def test_a_stored_batch_that_cannot_be_rendered_never_breaks_the_listing(
     shown = {item["id"]: item for item in listing.json()["data"]}
     assert shown[batch_id]["metadata"] == {"k": "x\ufffd"}
     assert http.get(f"/batches/{batch_id}").status_code == 200
+
+
+# --- a request the same as a quarantined one ------------------------------------------------
+
+
+def test_a_request_the_same_as_a_quarantined_one_is_a_422_the_sdk_does_not_retry(
+    redis_server: RedisServer, acme: openai.OpenAI
+) -> None:
+    # Its quarantine recorded as lua/hand_over.lua's caller records it (tests/test_dead_letter.py
+    # quarantines one for real), for the request the gateway makes of this body.
+    body = chat(messages=[{"role": "user", "content": "a poison request"}], seed=7)
+    fields = ChatCompletionRequest.model_validate(body).edgeq_fields() | {"tenant": "acme"}
+    settings = ConnectionSettings(redis_url=redis_server.url, queue=QUEUE)
+    payload, _ = job_payload(build_request(fields.pop("messages"), **fields), settings)
+    key = poison_refusal_key(QUEUE, request_fingerprint(payload))
+    with sync_redis.Redis.from_url(redis_server.url) as redis:
+        redis.set(key, "quarantined-job", px=60_000)
+        try:
+            with pytest.raises(openai.UnprocessableEntityError) as refused:
+                acme.chat.completions.create(**body)
+            error = refused.value.body
+            assert isinstance(error, dict) and error["code"] == "poison_refused"
+            assert "quarantined as a poison job (quarantined-job" in error["message"]
+            assert "edgeq dead-letter drop quarantined-job" in error["message"]
+            assert 0 < int(refused.value.response.headers["Retry-After"]) <= 60
+        finally:
+            redis.delete(key)
 
 
 # --- OpenAI's metadata limits -------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A poison job against the real engine (#41): a request that kills every engine it reaches
 (edgeq.testing.engine_poison) costs two engines, then is quarantined: it ends with
-`poison_job`, once, its request is in the dead-letter set, and a worker started again serves
-the next chat."""
+`poison_job`, once, its request is in the dead-letter set, the same request is then refused at
+the door until an operator drops the entry, and a worker started again serves the next chat."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from edgeq.core.errors import PoisonRefused
 from edgeq.core.leases import engine_failures
 from edgeq.core.protocol import DoneEvent, ErrorEvent, StreamEvent
 from edgeq.exit_codes import EXIT_JOB_FAILED
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.engine
 LEASE_TTL_S = 5.0
 ANSWER_TOKENS = 16
 DEADLINE_S = 120.0
+POISON_PROMPT = "a request built to kill"
 
 
 def started_on(worker: WorkerProcess, job_id: str) -> list[str]:
@@ -67,7 +69,7 @@ async def test_a_request_that_kills_two_engines_is_quarantined_and_the_box_serve
             # its lease run out and exits 1 (its supervisor restarts it).
             with suspended([psutil.Process(second.process.pid)]):
                 poison = await client.submit(
-                    "a request built to kill", seed=POISON_SEED, max_tokens=ANSWER_TOKENS
+                    POISON_PROMPT, seed=POISON_SEED, max_tokens=ANSWER_TOKENS
                 )
                 code = await asyncio.to_thread(first.process.wait, DEADLINE_S)
                 assert code == EXIT_JOB_FAILED, first.tail()
@@ -90,6 +92,20 @@ async def test_a_request_that_kills_two_engines_is_quarantined_and_the_box_serve
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             assert poison.job_id in listed.stdout and "engine_failures=2" in listed.stdout
+
+            # Sent again unchanged, it is refused at the door (no engine would survive it)...
+            with pytest.raises(PoisonRefused) as refused:
+                await client.submit(POISON_PROMPT, seed=POISON_SEED, max_tokens=ANSWER_TOKENS)
+            assert refused.value.job_id == poison.job_id
+            # ...until an operator drops the entry: then it is accepted (and cancelled here,
+            # before a worker that would die of it is started again).
+            await asyncio.to_thread(
+                subprocess.run, [*EDGEQ, "dead-letter", "drop", poison.job_id],
+                env={**os.environ, **env}, capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            again = await client.submit(POISON_PROMPT, seed=POISON_SEED, max_tokens=ANSWER_TOKENS)
+            assert await again.cancel("not sent to an engine in this test")
+            await again.aclose()
 
             # A worker started again (as systemd would) serves the next chat.
             restarted = WorkerProcess(env, tmp_path / "restarted.log").start()

@@ -119,6 +119,7 @@ async def keep_alive(state: WorkerState) -> None:
                 deadline_s=settings.continue_within_s,
                 lease_ttl_s=settings.lease_ttl_s,
                 dead_letter_ttl_s=settings.dead_letter_ttl_s,
+                poison_refuse_s=settings.poison_refuse_s,
             )
             for job_id, outcome in handed.items():
                 log.warning(

@@ -1,6 +1,8 @@
 """A short chaos campaign (``edgeq chaos``, docs/development.md "Chaos campaign"): two workers
 on the tiny model under the harness's restarting supervisor, eight chats in flight, and one of
-each fault kind of a fixed seed's schedule. Every accepted job must be accounted for."""
+each fault kind of a fixed seed's schedule, a poison request among them (#41: quarantined
+after two engine deaths, then refused at the door). Every accepted job must be accounted
+for."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ pytestmark = pytest.mark.engine
 
 SEED = 34
 DURATION_S = 90
-# Start-up (two engines side by side), 90 s of load, the drain and the stops: ~3-4 min here.
+# Start-up (two engines side by side), 90 s of load, the drain and the stops: 3.5-5 min here
+# (the poison fault leaves no worker serving until both are started again).
 CAMPAIGN_TIMEOUT_S = 540
-KINDS = [kind for kind in FAULT_KINDS if kind != "kill_gateway"]
+KINDS = [kind for kind in FAULT_KINDS if kind != "kill_gateway"] + ["poison"]
 
 
 def test_a_short_campaign_accounts_for_every_job(tiny_model: Path, tmp_path: Path) -> None:
@@ -54,10 +57,18 @@ def test_a_short_campaign_accounts_for_every_job(tiny_model: Path, tmp_path: Pat
     assert [fault["kind"] for fault in report["faults"]] == planned
     assert report["skipped_faults"] == []
     assert report["accepted"] > 50 and report["done"] > 0
+    # The poison request (its checks are the campaign's: a problem if one failed).
+    (poison,) = [fault for fault in report["faults"] if fault["kind"] == "poison"]
+    assert "ended poison_job" in poison["detail"] and "refused at the door" in poison["detail"]
+    assert report["by_kind"]["poison"] == 1 and report["failed"].get("poison_job") == 1
     FIGURES[f"chaos campaign, seed {SEED}, {DURATION_S} s of load: wall (s)"] = round(wall_s)
     FIGURES["chaos campaign: accepted / done / continued / cancelled / refused / problems"] = (
         f"{report['accepted']} / {report['done']} / {report['continued']} / "
         f"{report['cancelled']} / {sum(report['refused'].values())} / {len(report['problems'])}"
+    )
+    FIGURES["chaos campaign: the poison request"] = poison["detail"]
+    FIGURES["chaos campaign: chats quarantined with the poison request (bystanders)"] = len(
+        report["quarantined_bystanders"]
     )
     FIGURES["chaos campaign: TTFT p50 / p99 (ms), outside / inside faults"] = " ; ".join(
         f"{t['p50']:.0f} / {t['p99']:.0f}"

@@ -7,18 +7,23 @@ added to the ``{queue}:dead-letter`` sorted set, and it ends with ``poison_job``
 expires after EDGEQ_DEAD_LETTER_TTL_S; the index forgets expired entries as it is read and
 written. ``edgeq dead-letter list | show | retry | drop`` (producer/dead_letter_commands.py)
 is the operator's side.
+
+The request's fingerprint (core/fingerprint.py) is recorded at the quarantine, and the same
+request refused at the door, for EDGEQ_POISON_REFUSE_S; dropping an entry lifts that refusal
+(a retry lifts it before it sends the request again).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from redis.asyncio import Redis
 
-from edgeq.core.keys import dead_letter_entry_key, dead_letter_key
+from edgeq.core.fingerprint import refusal_left_s, request_fingerprint
+from edgeq.core.keys import dead_letter_entry_key, dead_letter_key, poison_refusal_key
 from edgeq.core.leases import redis_now_ms
 from edgeq.core.scheduling import DEFAULT_TENANT
 
@@ -39,6 +44,8 @@ class DeadLetter:
     failures: int
     #: Its request as it was enqueued (a dict; None if the record is not a readable arq job).
     request: dict[str, Any] | None
+    #: How long the same request is still refused at the door (0: it is not).
+    refused_s: float = 0.0
 
     @property
     def reason(self) -> str:
@@ -55,6 +62,11 @@ class DeadLetter:
         return adapter if isinstance(adapter, str) else BASE_MODEL
 
     @property
+    def fingerprint(self) -> str | None:
+        """Its request's fingerprint (core/fingerprint.py); None without a readable request."""
+        return None if self.request is None else request_fingerprint(self.request)
+
+    @property
     def when(self) -> str:
         return datetime.fromtimestamp(self.at_ms / 1000, UTC).isoformat(timespec="seconds")
 
@@ -66,6 +78,8 @@ class DeadLetter:
             "reason": self.reason,
             "tenant": self.tenant,
             "model": self.model,
+            "fingerprint": self.fingerprint,
+            "refused_at_the_door_s": round(self.refused_s),
         }
         if with_request:
             shown["request"] = self.request
@@ -92,12 +106,15 @@ async def read_dead_letter(redis: Redis, queue: str, job_id: str) -> DeadLetter 
     entry = await redis.hgetall(dead_letter_entry_key(queue, job_id))
     if not entry:
         return None
-    return DeadLetter(
+    letter = DeadLetter(
         job_id=job_id,
         at_ms=int(entry.get(b"at", b"0")),
         failures=int(entry.get(b"failures", b"0")),
         request=_request_of(entry.get(b"payload")),
     )
+    if (fingerprint := letter.fingerprint) is None:
+        return letter
+    return replace(letter, refused_s=await refusal_left_s(redis, queue, fingerprint))
 
 
 async def list_dead_letters(redis: Redis, queue: str, *, ttl_s: float) -> list[DeadLetter]:
@@ -114,9 +131,14 @@ async def list_dead_letters(redis: Redis, queue: str, *, ttl_s: float) -> list[D
 
 
 async def drop_dead_letter(redis: Redis, queue: str, job_id: str) -> bool:
-    """Forget a quarantined job; False if it was not there."""
+    """Forget a quarantined job, and accept its request at the door again; False if it was
+    not there."""
+    payload = await redis.hget(dead_letter_entry_key(queue, job_id), "payload")
+    request = _request_of(payload)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zrem(dead_letter_key(queue), job_id)
         pipe.delete(dead_letter_entry_key(queue, job_id))
-        removed, deleted = await pipe.execute()
+        if request is not None:
+            pipe.delete(poison_refusal_key(queue, request_fingerprint(request)))
+        removed, deleted, *_ = await pipe.execute()
     return bool(removed or deleted)

@@ -3,6 +3,8 @@
     EdgeqError
     ├── ConfigError        a setting edgeq cannot run with (the message names the variable)
     ├── InvalidRequest     refused before it was enqueued (also a ValueError)
+    │   └── PoisonRefused  the same request was quarantined as a poison job, within
+    │                      EDGEQ_POISON_REFUSE_S: refused at the door
     ├── RedisUnavailable   Redis unreachable, or it refused the credentials
     ├── QueueFull          EDGEQ_MAX_QUEUE jobs already queued or running, or the tenant's
     │                      EDGEQ_TENANT_MAX_QUEUED queued: retry later
@@ -20,6 +22,8 @@ Every message says what happened and where.
 from __future__ import annotations
 
 import math
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 
@@ -33,6 +37,31 @@ class ConfigError(EdgeqError):
 
 class InvalidRequest(EdgeqError, ValueError):
     """The request was refused before it was enqueued; the message names the field."""
+
+
+class PoisonRefused(InvalidRequest):
+    """The same request (the same fingerprint: core/fingerprint.py) was quarantined as a
+    poison job (``job_id``) less than EDGEQ_POISON_REFUSE_S ago; nothing was enqueued. It is
+    refused for ``retry_after_s`` more, unless an operator lifts it (``edgeq dead-letter retry``
+    or ``drop``). Sending it again unchanged would likely take down engines again."""
+
+    def __init__(self, job_id: str, fingerprint: str, left_s: float) -> None:
+        until = datetime.fromtimestamp(time.time() + left_s, UTC).isoformat(timespec="seconds")
+        super().__init__(
+            f"request: the same request (fingerprint {fingerprint[:16]}) was quarantined as a "
+            f"poison job ({job_id}: it was running on engines that died or stalled), so it is "
+            f"refused until {until} ({math.ceil(left_s)} s more, EDGEQ_POISON_REFUSE_S); "
+            f"nothing was enqueued. An operator lifts the refusal with `edgeq dead-letter "
+            f"drop {job_id}` or `edgeq dead-letter retry {job_id}`"
+        )
+        self.job_id = job_id
+        self.fingerprint = fingerprint
+        self.left_s = left_s
+
+    @property
+    def retry_after_s(self) -> int:
+        """Whole seconds until the refusal ends (at least 1)."""
+        return max(1, math.ceil(self.left_s))
 
 
 class RedisUnavailable(EdgeqError):

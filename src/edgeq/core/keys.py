@@ -33,7 +33,10 @@ Per queue (``{queue}`` is ``EDGEQ_QUEUE``, itself arq's sorted set of queued job
   worker on the queue serves (core/adapters.py, ``edgeq adapters``).
 - ``{queue}:dead-letter``: sorted set, quarantined job id -> when (Unix ms, Redis's clock);
   ``{queue}:dead-letter:<id>``: hash, that job's payload, engine failures and reason, expiring
-  after EDGEQ_DEAD_LETTER_TTL_S (core/dead_letter.py, ``edgeq dead-letter``).
+  after EDGEQ_DEAD_LETTER_TTL_S (core/dead_letter.py, ``edgeq dead-letter``);
+  ``{queue}:poison-refused:<fingerprint>``: the id of a quarantined job whose request has that
+  fingerprint, for EDGEQ_POISON_REFUSE_S: the same request is refused at the door
+  (core/fingerprint.py, lua/enqueue.lua).
 - ``{queue}:limits-usage:<tenant>``: hash, what a tenant with rate limits or token budgets
   used in the current minute, UTC day and month; ``{queue}:reservation:<id>``: hash, the
   tokens a job reserved at admission, until its end settles them in the step that writes its
@@ -156,6 +159,12 @@ def dead_letter_key(queue: str) -> str:
 def dead_letter_entry_key(queue: str, job_id: str) -> str:
     """A quarantined job's hash: ``payload`` (arq's record), ``failures``, ``reason``, ``at``."""
     return f"{queue}:dead-letter:{job_id}"
+
+
+def poison_refusal_key(queue: str, fingerprint: str) -> str:
+    """Set, with a TTL, while the request of this fingerprint (core/fingerprint.py) is refused
+    at the door: it holds the id of the quarantined job that had it."""
+    return f"{queue}:poison-refused:{fingerprint}"
 
 
 def idempotency_key(queue: str, tenant: str, key: str) -> str:

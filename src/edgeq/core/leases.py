@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from edgeq.core.errors import StreamClosed
 from edgeq.core.events import EventLog
+from edgeq.core.fingerprint import refuse_quarantined
 from edgeq.core.keys import (
     dead_letter_entry_key,
     dead_letter_key,
@@ -189,12 +190,15 @@ async def hand_over(
     deadline_s: float,
     lease_ttl_s: float,
     dead_letter_ttl_s: float,
+    poison_refuse_s: float = 0.0,
 ) -> Handover:
     """A job whose lease ran out: make it claimable again for a worker to continue within
     ``deadline_s``, or, once it was started ``max_continuations`` + 1 times (a prompt that
     kills every worker it reaches) or its payload is gone, end it with ``worker_lost``; or,
     once it was running at ``POISON_AFTER_ENGINE_FAILURES`` engine failures, keep its payload
-    in the dead-letter set for ``dead_letter_ttl_s`` and end it with ``poison_job``."""
+    in the dead-letter set for ``dead_letter_ttl_s`` and end it with ``poison_job``; the same
+    request is then refused at the door for ``poison_refuse_s`` (EDGEQ_POISON_REFUSE_S; 0, the
+    default, records nothing: core/fingerprint.py)."""
     script = registered(redis, _HAND_OVER)
     keys = [
         leases_key(queue), queue, in_progress_key(job_id), job_key(job_id),
@@ -207,6 +211,8 @@ async def hand_over(
     ]  # fmt: skip
     outcome = Handover(int(await script(keys=keys, args=args)))
     if outcome is Handover.QUARANTINED:
+        # Recorded before the job ends: whoever sees poison_job and sends it again is refused.
+        await refuse_quarantined(redis, queue, job_id, ttl_s=poison_refuse_s)
         await declare_poison(redis, log, job_id, queue=queue)
     elif outcome is Handover.LOST:
         why = f"it was started {max_continuations + 1} times (EDGEQ_MAX_CONTINUATIONS)"
@@ -228,6 +234,7 @@ async def reap_lost_jobs(
     deadline_s: float,
     lease_ttl_s: float,
     dead_letter_ttl_s: float,
+    poison_refuse_s: float = 0.0,
 ) -> dict[str, Handover]:
     """Hand over every job whose lease ran out; returns what became of each this call took."""
     expired = await redis.zrangebyscore(leases_key(queue), "-inf", await redis_now_ms(redis))
@@ -237,7 +244,7 @@ async def reap_lost_jobs(
         outcome = await hand_over(
             redis, log, job_id, queue=queue,
             max_continuations=max_continuations, deadline_s=deadline_s, lease_ttl_s=lease_ttl_s,
-            dead_letter_ttl_s=dead_letter_ttl_s,
+            dead_letter_ttl_s=dead_letter_ttl_s, poison_refuse_s=poison_refuse_s,
         )  # fmt: skip
         if outcome is not Handover.NOT_EXPIRED:
             outcomes[job_id] = outcome

@@ -109,6 +109,16 @@ class ConnectionSettings(BaseSettings):
             "stays in the dead-letter set for `edgeq dead-letter show|retry`."
         ),
     )
+    poison_refuse_s: float = Field(
+        3600.0,
+        ge=0,
+        description=(
+            "How long, after a job was quarantined as a poison job, a submit of the same "
+            "request (its fingerprint: model, adapter, messages, constraints, sampling) is "
+            "refused at the door; `edgeq dead-letter retry|drop` lifts it sooner. 0: off (no "
+            "fingerprint recorded or checked). Workers and clients read it."
+        ),
+    )
     idempotency_ttl_s: float = Field(
         600.0,
         gt=0,

@@ -92,10 +92,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=fault_kinds,
         default=None,
         help=(
-            "comma-separated fault kinds (default: all but freeze_engine): kill_worker, "
-            "stop_worker, restart_redis, redis_outage, kill_gateway (only with --gateway), "
-            "slow_link, drop_link, freeze_engine (one worker's engine frozen until the "
-            "worker ends itself)"
+            "comma-separated fault kinds (default: all but freeze_engine and poison): "
+            "kill_worker, stop_worker, restart_redis, redis_outage, kill_gateway (only with "
+            "--gateway), slow_link, drop_link, freeze_engine (one worker's engine frozen until "
+            "the worker ends itself), poison (a request that kills every engine it reaches: "
+            "quarantined after two)"
         ),
     )
     chaos.set_defaults(handler=run_chaos)

@@ -10,16 +10,23 @@
 -- reservation_key); ARGV: the payload, its TTL (ms), the queue's limit, the job id, the wake
 -- channel, the band, the tenant, with the idempotency key the request's hash and how long the
 -- key holds (ms), and with the limits keys the prompt's estimated tokens and the completion
--- tokens to reserve (0: the workers' EDGEQ_MAX_TOKENS). A call with the limits keys and no
+-- tokens to reserve (0: the workers' EDGEQ_MAX_TOKENS), and optionally (after the limits
+-- keys) the request's poison-refusal key (core/keys.py poison_refusal_key, named by its
+-- fingerprint: core/fingerprint.py). A call with the limits keys and no
 -- idempotency key passes any key of the queue's slot (the payload's) as the idempotency key
 -- and an empty hash. Returns {Enqueued, the tenant's cap when it is TENANT_FULL, or the job
 -- id the idempotency key was given when it is EXISTING or IDEMPOTENCY_CONFLICT, or what
 -- limits.lua's admit says when it is RATE_LIMITED}; UNLIMITED_CALLER ({-5}) for a call without
--- the limits keys for a tenant that has limits.
+-- the limits keys for a tenant that has limits; POISON_REFUSED ({-6, the quarantined job's id,
+-- the ms the refusal still holds}) while the poison-refusal key is set.
 --
 -- The idempotency key is looked at first, so a retried submit gets its job's id even when the
 -- queue has filled up since; it is taken only with the enqueue. Calls of one batch run one
 -- after the other in this script, so 50 submits with one key enqueue one job.
+--
+-- A request the same as a quarantined one (a poison job: core/leases.py) is refused next,
+-- before anything is counted: sending it again would take down engines again, and waiting
+-- for room in the queue would not change that.
 --
 -- The lines of batches (resources/batches/runner.py) are bounded on their own
 -- (EDGEQ_GATEWAY_BATCH_QUEUED_MAX; their runner enqueues them with no limit) and left out of
@@ -42,6 +49,10 @@ if idempotent then
     if string.sub(held, space + 1) == ARGV[8] then return {2, held_id} end
     return {-3, held_id}
   end
+end
+if KEYS[12] then
+  local quarantined = redis.call('GET', KEYS[12])
+  if quarantined then return {-6, quarantined, redis.call('PTTL', KEYS[12])} end
 end
 local depth_key = 'depth:' .. KEYS[1]
 local function depth() return redis.call('ZCARD', KEYS[1]) end
