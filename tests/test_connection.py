@@ -64,11 +64,38 @@ async def test_a_connection_left_with_an_unread_reply_is_not_reused(
     try:
         await redis.set("edgeq-test-left", b"value")
         pool = redis.connection_pool
-        connection = await pool.get_connection("PING")
+        connection = await pool.get_connection()
         await connection.send_command("PING")  # its reply is never read
         await asyncio.sleep(0.1)  # the reply arrives
         await pool.release(connection)
         assert await redis.get("edgeq-test-left") == b"value"  # not the PONG left behind
     finally:
         await redis.delete("edgeq-test-left")
+        await redis.aclose()
+
+
+async def test_a_connection_stalled_between_its_setup_commands_still_connects(
+    redis_server: RedisServer,
+) -> None:
+    """redis-py sends its two CLIENT SETINFO before it reads a reply; a health check due
+    between them (the process stalled there past the check interval) must not be sent, or
+    it reads the first one's reply as its PING's and the command fails (the chaos campaign
+    froze a worker there: one chat ended engine_error with CLIENT SETINFO's error)."""
+    redis = make_redis(ConnectionSettings(redis_url=redis_server.url))
+    try:
+        connection = await redis.connection_pool.get_connection()
+        await connection.disconnect()
+        send_command = connection.send_command
+
+        async def stalled_after_the_first_setinfo(*args: object, **options: object) -> None:
+            await send_command(*args, **options)
+            if args[:2] == ("CLIENT", "SETINFO"):
+                connection.next_health_check = -1  # the check interval has passed meanwhile
+
+        connection.send_command = stalled_after_the_first_setinfo  # type: ignore[method-assign]
+        await connection.connect()
+        await connection.send_command("GET", "edgeq-test-stalled")
+        assert await connection.read_response() is None
+        await redis.connection_pool.release(connection)
+    finally:
         await redis.aclose()

@@ -129,7 +129,22 @@ def _received_unread(connection: AbstractConnection) -> bool:
 class _PromptWrites(AbstractConnection):
     """Writes a command at once. redis-py 5 writes under ``asyncio.wait_for``, which on Python
     3.11 runs the write in a task of its own: the command goes out only after every task
-    already waiting to run has run (and pays for the task and its timer)."""
+    already waiting to run has run (and pays for the task and its timer).
+
+    And no health check while the connection is being set up: redis-py's ``on_connect`` sends
+    its two ``CLIENT SETINFO`` before it reads either reply, and a health check between them
+    (due when the process stalled there past the check interval: a worker frozen by the chaos
+    campaign mid-reconnect) read the first one's reply as its PING's, failing the chat's
+    command with that reply."""
+
+    _connecting = False
+
+    async def on_connect(self) -> None:
+        self._connecting = True
+        try:
+            await super().on_connect()
+        finally:
+            self._connecting = False
 
     async def send_packed_command(
         self, command: bytes | str | Iterable[bytes], check_health: bool = True
@@ -137,7 +152,7 @@ class _PromptWrites(AbstractConnection):
         # redis-py's, with asyncio.timeout in place of wait_for.
         if not self.is_connected:
             await self.connect()
-        elif check_health:
+        elif check_health and not self._connecting:
             await self.check_health()
         if isinstance(command, str):
             command = command.encode()
