@@ -893,7 +893,7 @@ async def test_a_wrong_password_is_a_clear_error_without_the_password(
     assert "refused the credentials" in str(failure.value)
     assert "not-the-password" not in str(failure.value)
     async with ChatClient(redis_url=f"redis://127.0.0.1:{auth_redis.port}/0") as client:
-        with pytest.raises(RedisUnavailable):
+        with pytest.raises(RedisUnavailable, match="refused the credentials"):
             await client.submit("hi")  # no password at all
 
 

@@ -232,6 +232,13 @@ def redis_errors(url: str) -> Iterator[None]:
             raise RedisUnavailable(
                 f"Redis at {redacted_url(url)} refused the command: {error}"
             ) from None
+        # What Redis answers, instead of NOAUTH, a client that sent no password and a command
+        # of more than 10 arguments (edgeq's scripts' are) as its first.
+        if "Protocol error: unauthenticated" in str(error):
+            raise RedisUnavailable(
+                f"Redis at {redacted_url(url)} refused the credentials: Authentication "
+                f"required ({error})"
+            ) from None
         raise
     except MasterNotFoundError as error:  # a ConnectionError: no Sentinel named a master
         raise RedisUnavailable(
