@@ -1140,7 +1140,10 @@ class Campaign:
         ``poison``), so the campaign's own checks hold for it too."""
         cluster, client = self.cluster, self.client
         fields = {"tenant": TENANTS[0], "seed": POISON_SEED, "max_tokens": POISON_MAX_TOKENS}
-        spec = JobSpec(-1, POISON_KIND, "chaos poison: a request built to kill", fields)
+        # A prompt of its own each time: the same request again would be refused at the door
+        # (its fingerprint is quarantined), and every poison fault must reach the engines.
+        sent = sum(fault.kind == "poison" for fault in self.faults)
+        spec = JobSpec(-1, POISON_KIND, f"chaos poison {sent}: a request built to kill", fields)
         seen = len(cluster.poison_deaths)
         cluster.poisoning = True
         try:
