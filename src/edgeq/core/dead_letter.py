@@ -15,7 +15,6 @@ request refused at the door, for EDGEQ_POISON_REFUSE_S; dropping an entry lifts 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +24,7 @@ from redis.asyncio import Redis
 from edgeq.core.fingerprint import refusal_left_s, request_fingerprint
 from edgeq.core.keys import dead_letter_entry_key, dead_letter_key, poison_refusal_key
 from edgeq.core.leases import redis_now_ms
+from edgeq.core.protocol import record_request
 from edgeq.core.scheduling import DEFAULT_TENANT
 
 #: Why every entry is there (one reason today: the hand-over's).
@@ -86,16 +86,6 @@ class DeadLetter:
         return shown
 
 
-def _request_of(payload: bytes | None) -> dict[str, Any] | None:
-    """The chat request inside an arq job record, as the client enqueued it."""
-    try:
-        record = json.loads(payload or b"")
-        request = record["a"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
-    return request if isinstance(request, dict) else None
-
-
 async def _forget_expired(redis: Redis, queue: str, ttl_s: float) -> None:
     oldest_ms = await redis_now_ms(redis) - int(ttl_s * 1000)
     await redis.zremrangebyscore(dead_letter_key(queue), "-inf", oldest_ms)
@@ -110,7 +100,7 @@ async def read_dead_letter(redis: Redis, queue: str, job_id: str) -> DeadLetter 
         job_id=job_id,
         at_ms=int(entry.get(b"at", b"0")),
         failures=int(entry.get(b"failures", b"0")),
-        request=_request_of(entry.get(b"payload")),
+        request=record_request(entry.get(b"payload")),
     )
     if (fingerprint := letter.fingerprint) is None:
         return letter
@@ -134,7 +124,7 @@ async def drop_dead_letter(redis: Redis, queue: str, job_id: str) -> bool:
     """Forget a quarantined job, and accept its request at the door again; False if it was
     not there."""
     payload = await redis.hget(dead_letter_entry_key(queue, job_id), "payload")
-    request = _request_of(payload)
+    request = record_request(payload)
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zrem(dead_letter_key(queue), job_id)
         pipe.delete(dead_letter_entry_key(queue, job_id))

@@ -34,6 +34,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from edgeq.core.keys import dead_letter_entry_key, poison_refusal_key
+from edgeq.core.protocol import record_request
 
 #: Request fields that only decide how a job is delivered and scheduled, not what the engine
 #: computes: left out of the fingerprint.
@@ -53,12 +54,8 @@ def request_fingerprint(request: Mapping[str, Any]) -> str:
 
 def record_fingerprint(payload: bytes | str | None) -> str | None:
     """The fingerprint of the request inside an arq job record (None: not a readable one)."""
-    try:
-        record = json.loads(payload or b"")
-        request = record["a"][0]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
-    return request_fingerprint(request) if isinstance(request, dict) else None
+    request = record_request(payload)
+    return None if request is None else request_fingerprint(request)
 
 
 async def refuse_quarantined(redis: Redis, queue: str, job_id: str, *, ttl_s: float) -> str | None:

@@ -17,18 +17,16 @@ ever written here.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from edgeq.core.adapters import valid_name
 from edgeq.core.keys import usage_key, usage_tenants_key
-from edgeq.core.protocol import DoneEvent, ErrorEvent
+from edgeq.core.protocol import DoneEvent, ErrorEvent, record_request
 from edgeq.core.scheduling import DEFAULT_PRIORITY, DEFAULT_TENANT, PRIORITIES, TENANT_PATTERN
 
 #: The counters a row has besides its errors, in the order they are shown.
@@ -57,16 +55,6 @@ class LedgerScope:
         return SEPARATOR.join((self.model, self.priority, counter))
 
 
-def _request_of(payload: bytes | None) -> dict[str, Any]:
-    """The chat request in an arq job record as edgeq writes it (JSON), else {}."""
-    try:
-        job = json.loads(payload) if payload else None
-    except ValueError:  # not edgeq's JSON (the worker ends such a job itself)
-        return {}
-    request = job.get("a", [None])[0] if isinstance(job, dict) and job.get("a") else None
-    return request if isinstance(request, dict) else {}
-
-
 def unanswered_scope(payload: bytes | None, model: str) -> LedgerScope | None:
     """Where a job that ends without a worker's answer (a client's cancel, ``worker_lost``,
     ``poison_job``) is counted, from its payload as it is in Redis: its tenant and class as
@@ -74,7 +62,7 @@ def unanswered_scope(payload: bytes | None, model: str) -> LedgerScope | None:
     adapter it names, else ``model``, the workers' EDGEQ_MODEL as they published it (a
     tenant's default adapter is applied on a worker only). None without a payload or a
     model: the end still settles its reservation, and is not in the ledger."""
-    request = _request_of(payload)
+    request = record_request(payload)
     if not request or not model:
         return None
     tenant = request.get("tenant")

@@ -337,6 +337,17 @@ def json_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def record_request(payload: bytes | str | None) -> dict[str, Any] | None:
+    """The chat request inside an arq job record as edgeq's producers write it (JSON: the
+    job's one argument, ``a[0]``); None if the record is missing or not such a record."""
+    try:
+        record = json.loads(payload or b"")
+        request = record["a"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return request if isinstance(request, dict) else None
+
+
 def dump_json(value: Any) -> bytes:
     """arq's job_serializer on both sides: JSON, never pickle."""
     return json.dumps(value, default=json_default, separators=(",", ":")).encode()
