@@ -21,7 +21,7 @@ from fastapi import Depends, Request
 
 from edgeq.core.scheduling import TENANT_PATTERN
 from edgeq.gateway.errors import ApiError
-from edgeq.gateway.settings import GatewaySettings
+from edgeq.gateway.settings import GatewaySettings, JobKey
 from edgeq.gateway.state import SettingsDep
 
 #: The tenant of a request whose API key fixes none (EDGEQ_GATEWAY_API_KEYS, or no keys).
@@ -30,27 +30,27 @@ TENANT_HEADER = "X-Edgeq-Tenant"
 ADMIN_PATHS = frozenset({"/v1/usage"})
 
 
-def accepted_keys(settings: GatewaySettings) -> list[tuple[bytes, str | None]]:
-    """Every accepted key with the tenant it fixes (None: a plain EDGEQ_GATEWAY_API_KEYS key)."""
-    return [
-        *((key.encode(), None) for key in settings.gateway_api_keys),
-        *((key.encode(), tenant) for tenant, key in settings.gateway_tenant_keys),
-    ]
-
-
-def key_tenant(settings: GatewaySettings, authorization: str) -> tuple[bool, str | None]:
-    """Whether ``authorization`` (the header's value) carries an accepted key, and the tenant
-    that key fixes (None: a plain key). With no keys configured every request is accepted."""
-    api_keys = accepted_keys(settings)
-    if not api_keys:
+def key_of(settings: GatewaySettings, authorization: str) -> tuple[bool, JobKey | None]:
+    """Whether ``authorization`` (the header's value) carries an accepted job key, and which
+    (its tenant, None for a plain key, and its name). With no keys configured every request
+    is accepted, with no key."""
+    job_keys = settings.job_keys
+    if not job_keys:
         return True, None
     scheme, _, token = authorization.partition(" ")
     given = token.strip().encode()
     # Compared with every key, so the time taken does not tell which one matched.
-    matched = [tenant for key, tenant in api_keys if secrets.compare_digest(given, key)]
+    matched = [job for job in job_keys if secrets.compare_digest(given, job.key.encode())]
     if scheme.lower() != "bearer" or not matched:
         return False, None
     return True, matched[0]
+
+
+def key_tenant(settings: GatewaySettings, authorization: str) -> tuple[bool, str | None]:
+    """Whether ``authorization`` carries an accepted job key, and the tenant that key fixes
+    (None: a plain key, or no keys configured)."""
+    accepted, job_key = key_of(settings, authorization)
+    return accepted, job_key.tenant if job_key is not None else None
 
 
 def is_admin_key(settings: GatewaySettings, authorization: str) -> bool:
@@ -123,6 +123,19 @@ async def request_tenant(
 
 #: For a route's signature: the tenant its job runs as (None: the client's EDGEQ_TENANT).
 TenantDep = Annotated[str | None, Depends(request_tenant)]
+
+
+async def request_key_name(request: Request, settings: SettingsDep) -> str | None:
+    """The name of the caller's key, which its jobs carry (``key_name``: the key's own limits
+    and ledger rows); None when auth is off."""
+    accepted, job_key = key_of(settings, request.headers.get("authorization", ""))
+    if not accepted:
+        raise unauthorized()
+    return job_key.name if job_key is not None else None
+
+
+#: For a route's signature: the name of the key its jobs are sent with (None: no keys).
+KeyNameDep = Annotated[str | None, Depends(request_key_name)]
 
 
 async def usage_readable_by(request: Request, settings: SettingsDep) -> str | None:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import ConfigDict
 
-from edgeq.gateway.auth import TenantDep
+from edgeq.gateway.auth import KeyNameDep, TenantDep
 from edgeq.gateway.errors import batch_api_errors
 from edgeq.gateway.state import BatchStoreDep, ModelNamesDep
 from edgeq.resources.batches.store import BATCHES_LIMIT, COMPLETION_WINDOW, ENDPOINT
@@ -29,12 +29,17 @@ class CreateBatch(RequestBody):
 
 @router.post("/v1/batches")
 async def create_batch(
-    store: BatchStoreDep, body: CreateBatch, tenant: TenantDep, models: ModelNamesDep
+    store: BatchStoreDep,
+    body: CreateBatch,
+    tenant: TenantDep,
+    key_name: KeyNameDep,
+    models: ModelNamesDep,
 ) -> dict[str, Any]:
     with batch_api_errors():
         batch = await store.create_batch(
             tenant,
             body.input_file_id,
+            key_name=key_name,
             endpoint=body.endpoint,
             completion_window=body.completion_window,
             metadata=body.metadata,

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from edgeq.core.errors import EdgeqError, JobFailed
 from edgeq.core.protocol import ChatResult, ErrorEvent, StreamEvent
 from edgeq.core.scheduling import DEFAULT_PRIORITY
-from edgeq.gateway.auth import TenantDep
+from edgeq.gateway.auth import KeyNameDep, TenantDep
 from edgeq.gateway.errors import ApiError, client_error
 from edgeq.gateway.jobs import (
     CLIENT_CLOSED_REQUEST,
@@ -76,6 +76,7 @@ async def chat_completions(
     request: Request,
     body: ChatCompletionRequest,
     tenant: TenantDep,
+    key_name: KeyNameDep,
     client: ClientDep,
     models: ModelNamesDep,
     settings: SettingsDep,
@@ -83,7 +84,13 @@ async def chat_completions(
 ) -> Response:
     started = time.monotonic()
     job, fields = await submit_job(
-        client, models, body, tenant, settings.gateway_retry_after_s, idempotency_key=key
+        client,
+        models,
+        body,
+        tenant,
+        settings.gateway_retry_after_s,
+        idempotency_key=key,
+        key_name=key_name,
     )
     bound = log.bind(
         job_id=job.job_id,

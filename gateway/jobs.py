@@ -44,12 +44,15 @@ async def submit_job(
     retry_after_s: int,
     *,
     idempotency_key: str | None = None,
+    key_name: str | None = None,
 ) -> tuple[ChatJob, dict[str, Any]]:
     """The body's job (resources/submit.py), or the ApiError its refusal is answered with: a
     model not served here (404), a field edgeq cannot honour (400), what ChatClient refuses
     (a full queue: 429 with Retry-After; an idempotency key given to another request: 409)."""
     try:
-        return await submit(client, models, body, tenant, idempotency_key=idempotency_key)
+        return await submit(
+            client, models, body, tenant, idempotency_key=idempotency_key, key_name=key_name
+        )
     except ModelNotServed as error:
         raise ApiError(
             404, str(error), type="not_found_error", code="model_not_found", param="model"

@@ -27,7 +27,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from edgeq.core.errors import EdgeqError
 from edgeq.core.protocol import DeltaEvent, DoneEvent, ErrorEvent, dump_json
-from edgeq.gateway.auth import TenantDep
+from edgeq.gateway.auth import KeyNameDep, TenantDep
 from edgeq.gateway.errors import ApiError, client_error, job_error
 from edgeq.gateway.jobs import (
     CLIENT_CLOSED_REQUEST,
@@ -124,6 +124,7 @@ async def create_response(
     request: Request,
     body: CreateResponse,
     tenant: TenantDep,
+    key_name: KeyNameDep,
     client: ClientDep,
     models: ModelNamesDep,
     settings: SettingsDep,
@@ -143,7 +144,9 @@ async def create_response(
     if body.previous_response_id is not None:
         history = await _conversation_of(store, body.previous_response_id, owner)
     chat_body = _chat_body(body, history)
-    job = await _submit(client, models, chat_body, tenant, settings.gateway_retry_after_s)
+    job = await _submit(
+        client, models, chat_body, tenant, settings.gateway_retry_after_s, key_name
+    )
     record = body.stored(job.job_id, owner, history)
     bound = log.bind(job_id=job.job_id, stream=body.stream, background=body.background)
     if body.store:
@@ -196,9 +199,12 @@ async def _submit(
     chat_body: ChatCompletionRequest,
     tenant: str | None,
     retry_after_s: int,
+    key_name: str | None,
 ) -> ChatJob:
     try:
-        job, _ = await submit_job(client, models, chat_body, tenant, retry_after_s)
+        job, _ = await submit_job(
+            client, models, chat_body, tenant, retry_after_s, key_name=key_name
+        )
     except ApiError as error:  # named as the chat request spells them: say it the Responses way
         fields = error.body["error"]
         for chat_name, name in RENAMED_FIELDS:

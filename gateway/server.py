@@ -60,6 +60,8 @@ def run_gateway(
         queue=settings.queue,
         auth="bearer" if settings.auth_required else "off",
         tenant_keys=len(settings.gateway_tenant_keys),
+        # Names, not keys: what EDGEQ_KEY_RPM and the usage ledger know each key by.
+        key_names=sorted({job_key.name for job_key in settings.job_keys}),
         workers=settings.gateway_workers,
     )
     if settings.gateway_workers > 1:

@@ -4,8 +4,9 @@ shares (same EDGEQ_* variables, same .env)."""
 
 from __future__ import annotations
 
+import hashlib
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
@@ -18,9 +19,26 @@ from edgeq.resources.settings import CommaList, ResourceSettings
 #: edgeq ignores and the framing its payload drops.
 JSON_MARGIN_BYTES = 64 * 1024
 
-#: (tenant, key) pairs, from ``tenant=key,tenant=key``; checked by the model validator, whose
-#: errors are the only ones that never echo the raw value (it holds the keys).
+#: (owner, key) pairs, from ``tenant=key,tenant:name=key``: the owner is the tenant, or the
+#: tenant and the key's name; checked by the model validator, whose errors are the only ones
+#: that never echo the raw value (it holds the keys).
 TenantKeys = Annotated[list[tuple[str, str]], NoDecode]
+
+
+def derived_key_name(key: str) -> str:
+    """The name of a key given none (every EDGEQ_GATEWAY_API_KEYS key, and a tenant key
+    without ``:name``): ``key-`` and 12 hex digits of its SHA-256. It tells keys apart in
+    their limits and the usage ledger, and gives the key away to nobody."""
+    return f"key-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+class JobKey(NamedTuple):
+    """A key accepted on the job routes: the tenant it fixes (None: a plain key, whose caller
+    names the tenant) and its name, which its jobs carry (``key_name``)."""
+
+    key: str
+    tenant: str | None
+    name: str
 
 
 class GatewaySettings(ResourceSettings):
@@ -39,8 +57,10 @@ class GatewaySettings(ResourceSettings):
         default_factory=list,
         repr=False,
         description=(
-            "Comma-separated tenant=key entries: each key is accepted like one of "
-            "EDGEQ_GATEWAY_API_KEYS and fixes the tenant of every request made with it."
+            "Comma-separated tenant=key or tenant:name=key entries: each key is accepted "
+            "like one of EDGEQ_GATEWAY_API_KEYS and fixes the tenant of every request made "
+            "with it; its name (default: key- and 12 hex digits of its SHA-256) is the one "
+            "EDGEQ_KEY_RPM and the other key limits, and the usage ledger, know it by."
         ),
     )
     gateway_admin_keys: CommaList = Field(
@@ -104,16 +124,19 @@ class GatewaySettings(ResourceSettings):
     def _check_tenant_keys(self) -> GatewaySettings:
         setting = "EDGEQ_GATEWAY_TENANT_KEYS"
         tenant_of: dict[str, str] = {}
-        for number, (tenant, key) in enumerate(self.gateway_tenant_keys, start=1):
-            if not tenant or not key:
+        for number, (owner, key) in enumerate(self.gateway_tenant_keys, start=1):
+            if not owner or not key:
                 raise ValueError(f"{setting}: entry {number} is not tenant=key")
-            if not re.fullmatch(TENANT_PATTERN, tenant):
+            tenant, colon, name = owner.partition(":")
+            if not all(re.fullmatch(TENANT_PATTERN, part) for part in (tenant, name or tenant)):
                 # Not echoed: with tenant and key swapped, it would be (most of) the key.
                 raise ValueError(
                     f"{setting}: entry {number}: the part before its first '=' is not a tenant "
-                    f"name (up to 64 letters, digits, '_', '.' or '-', starting with a letter "
-                    f"or digit)"
+                    f"name, or tenant:name (each up to 64 letters, digits, '_', '.' or '-', "
+                    f"starting with a letter or digit)"
                 )
+            if colon and not name:
+                raise ValueError(f"{setting}: entry {number}: a ':' with no key name after it")
             if tenant_of.setdefault(key, tenant) != tenant:
                 raise ValueError(
                     f"{setting}: entry {number} gives tenant {tenant!r} the key of tenant "
@@ -123,6 +146,25 @@ class GatewaySettings(ResourceSettings):
                 raise ValueError(
                     f"{setting}: the key of entry {number} (tenant {tenant!r}) is also in "
                     f"EDGEQ_GATEWAY_API_KEYS; give it in one of the two"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_key_names(self) -> GatewaySettings:
+        """A key's name stands for it alone in limits and the ledger: two keys, one name
+        is refused (the same key given twice, as tenant=key entries, is one key)."""
+        key_of: dict[str, str] = {}
+        name_of: dict[str, str] = {}
+        for key, _, name in self.job_keys:
+            if key_of.setdefault(name, key) != key:
+                raise ValueError(
+                    f"EDGEQ_GATEWAY_TENANT_KEYS: the key name {name!r} is given to two keys; "
+                    f"each key needs a name of its own"
+                )
+            if name_of.setdefault(key, name) != name:
+                raise ValueError(
+                    f"EDGEQ_GATEWAY_TENANT_KEYS: one key is named both {name_of[key]!r} and "
+                    f"{name!r}; give each key one name"
                 )
         return self
 
@@ -144,6 +186,15 @@ class GatewaySettings(ResourceSettings):
         if self.gateway_max_body_bytes is not None:
             return self.gateway_max_body_bytes
         return self.max_request_bytes + JSON_MARGIN_BYTES
+
+    @property
+    def job_keys(self) -> list[JobKey]:
+        """Every key accepted on the job routes, with its tenant and name."""
+        keys = [JobKey(key, None, derived_key_name(key)) for key in self.gateway_api_keys]
+        for owner, key in self.gateway_tenant_keys:
+            tenant, _, name = owner.partition(":")
+            keys.append(JobKey(key, tenant, name or derived_key_name(key)))
+        return keys
 
     @property
     def auth_required(self) -> bool:

@@ -3,8 +3,8 @@ the operator's admin key (every tenant) or a tenant key (its own tenant). The sa
 ``edgeq usage --format json``: counts only, never a prompt's or an answer's text.
 
 Not an OpenAI resource (OpenAI's usage API is its organisation admin API); the query follows
-``edgeq usage``: ``from`` and ``to`` (UTC days, both included; default today), and ``tenant``,
-repeatable.
+``edgeq usage``: ``from`` and ``to`` (UTC days, both included; default today), ``tenant``,
+repeatable, and ``key``, an API key's name.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ async def usage(
     first: Annotated[str | None, Query(alias="from")] = None,
     last: Annotated[str | None, Query(alias="to")] = None,
     tenant: Annotated[list[str] | None, Query()] = None,
+    key: Annotated[str | None, Query()] = None,
 ) -> dict[str, Any]:
     today = dt.date.fromisoformat(usage_day(dt.datetime.now(dt.UTC).timestamp()))
     to_day = _day("to", last, today)
@@ -72,9 +73,13 @@ async def usage(
     except ValueError as error:
         raise _bad_query("from", f"from, to: {error}") from None
     tenants = _tenants(tenant, reader)
+    if key is not None and not re.fullmatch(TENANT_PATTERN, key):
+        raise _bad_query("key", f"key: {key[:70]!r} is not an API key's name")
     try:
         with redis_errors(client.settings.redis_url):
-            rows = await read_usage(client.redis, client.settings.queue, days, tenants=tenants)
+            rows = await read_usage(
+                client.redis, client.settings.queue, days, tenants=tenants, key=key
+            )
     except RedisUnavailable as error:
         raise client_error(error) from None
     return {

@@ -376,6 +376,7 @@ class ChatClient:
                     after=subscribed,
                     idempotency=idempotency,
                     fingerprint=request_fingerprint(payload) if settings.poison_refuse_s else None,
+                    key_name=request.key_name,
                 )
         except BaseException:
             await job.aclose()
@@ -385,16 +386,21 @@ class ChatClient:
         await job.aclose()
         if outcome is Enqueued.EXISTING:  # a retried submit: the first one's job
             return await self.attach(str(detail))
-        raise self._refused(outcome, detail, tenant, idempotency_key)
+        raise self._refused(outcome, detail, tenant, idempotency_key, request.key_name)
 
     def _refused(
-        self, outcome: Enqueued, detail: Any, tenant: str, idempotency_key: str | None
+        self,
+        outcome: Enqueued,
+        detail: Any,
+        tenant: str,
+        idempotency_key: str | None,
+        key_name: str | None,
     ) -> EdgeqError:
         """What a submit the enqueue refused raises."""
         if outcome is Enqueued.IDEMPOTENCY_CONFLICT:
             return IdempotencyConflict(str(idempotency_key), tenant, str(detail))
         if outcome is Enqueued.RATE_LIMITED:
-            return RateLimited(tenant, detail)
+            return RateLimited(tenant, detail, key_name)
         if outcome is Enqueued.POISON_REFUSED:
             return PoisonRefused(detail.job_id, detail.fingerprint, detail.left_s)
         if outcome is Enqueued.TENANT_FULL:

@@ -24,6 +24,7 @@ from edgeq.core.keys import (
     batch_lines_key,
     fair_key,
     job_key,
+    key_limits_usage_key,
     limits_usage_key,
     poison_refusal_key,
     queued_by_tenant_key,
@@ -139,6 +140,7 @@ class JobQueue:
         after: asyncio.Future[Any] | None = None,
         idempotency: Idempotency | None = None,
         fingerprint: str | None = None,
+        key_name: str | None = None,
     ) -> EnqueueOutcome:
         """Add a chat job unless the queue already holds ``max_depth`` jobs (0: no limit; the
         lines of batches are not counted for an interactive or default job) or the tenant has
@@ -151,7 +153,8 @@ class JobQueue:
         ``idempotency``: a job already given its key is the answer (EXISTING), or a conflict
         if its request differs; nothing is enqueued then. ``fingerprint``
         (core/fingerprint.py): refused (POISON_REFUSED) while the same request's quarantine
-        is recorded; None: not checked.
+        is recorded; None: not checked. ``key_name``: the API key the request came with,
+        admitted against that key's limits too.
         """
         now_ms = time.time() * 1000
         # `et` to the microsecond, so queued_ms can show sub-millisecond pickup.
@@ -175,8 +178,12 @@ class JobQueue:
         # The tenant's limits (core/limits.py): admitted and reserved in the same step.
         keys += [limits_usage_key(self.name, tenant), reservation_key(self.name, job_id)]
         args += [estimate_prompt_tokens(request), int(request.get("max_tokens") or 0)]
-        if fingerprint is not None:
-            keys.append(poison_refusal_key(self.name, fingerprint))
+        if fingerprint is not None or key_name:
+            # No fingerprint: the empty one's refusal key, never set (lua/enqueue.lua).
+            keys.append(poison_refusal_key(self.name, fingerprint or ""))
+        if key_name:
+            keys.append(key_limits_usage_key(self.name, key_name))
+            args.append(key_name)
         reply = await self._enqueue(keys, args, after=after)
         outcome = Enqueued(int(reply[0]))
         if outcome is Enqueued.POISON_REFUSED:

@@ -1,6 +1,6 @@
 """``edgeq usage``: the usage ledger's rows (core/ledger.py, docs/usage.md) per tenant, UTC day,
-model and class, as a table, JSON or CSV. Counts only: the ledger holds no text of a prompt or
-an answer.
+API key, model and class, as a table, JSON or CSV. Counts only: the ledger holds no text of a
+prompt or an answer.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from edgeq.producer.commands import (
 )
 
 #: The columns of the table and the CSV, in order; ``class`` is a row's ``priority``.
-COLUMNS = ("tenant", "day", "model", "class", *COUNTERS, "errors")
+COLUMNS = ("tenant", "day", "key", "model", "class", *COUNTERS, "errors")
 
 
 def _cells(row: UsageRow) -> list[str]:
     errors = ";".join(f"{code}={count}" for code, count in sorted(row.errors.items()))
     counters = [str(getattr(row, counter)) for counter in COUNTERS]
-    return [row.tenant, row.day, row.model, row.priority, *counters, errors or "-"]
+    return [row.tenant, row.day, row.key or "-", row.model, row.priority, *counters, errors or "-"]
 
 
 def render_table(rows: list[UsageRow]) -> str:
@@ -78,7 +78,9 @@ async def _usage(args: argparse.Namespace) -> int:
     redis = make_redis(settings)
     try:
         with redis_errors(settings.redis_url):
-            rows = await read_usage(redis, settings.queue, days, tenants=args.tenant)
+            rows = await read_usage(
+                redis, settings.queue, days, tenants=args.tenant, key=args.key
+            )
     finally:
         await redis.aclose(close_connection_pool=True)
     if args.format == "json":
@@ -94,10 +96,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Add ``usage`` to the ``edgeq`` parser."""
     usage = commands.add_parser(
         "usage",
-        help="per tenant, UTC day, model and class: jobs, tokens, errors, waits (docs/usage.md)",
+        help=(
+            "per tenant, UTC day, API key, model and class: jobs, tokens, errors, waits "
+            "(docs/usage.md)"
+        ),
     )
     usage.add_argument(
         "--tenant", action="append", type=_tenant, help="only this tenant (repeatable)"
+    )
+    usage.add_argument(
+        "--key", type=_tenant, help="only the jobs sent with this API key (its name)"
     )
     usage.add_argument(
         "--from", dest="first", type=_day, metavar="DAY", help="first UTC day (default: the last)"

@@ -101,7 +101,7 @@ def _publisher(state: WorkerState, job: StartedJob, earlier: list[AnyEvent]) -> 
         outage_limit_s=settings.redis_outage_s,
         earlier=earlier,
         tenant=payload.tenant,
-        ledger=LedgerScope(payload.tenant, settings.model, payload.priority),
+        ledger=LedgerScope(payload.tenant, settings.model, payload.priority, payload.key_name),
     )
 
 

@@ -151,6 +151,12 @@ class WorkerSettings(ConnectionSettings):
     tenant_tpm: TenantMap = Field(default_factory=dict)
     tenant_tokens_per_day: TenantMap = Field(default_factory=dict)
     tenant_tokens_per_month: TenantMap = Field(default_factory=dict)
+    # The same per API key, name=number lists (a request's key_name: the gateway names each of
+    # its keys, docs/limits.md): a key's limits hold within its tenant's.
+    key_rpm: TenantMap = Field(default_factory=dict)
+    key_tpm: TenantMap = Field(default_factory=dict)
+    key_tokens_per_day: TenantMap = Field(default_factory=dict)
+    key_tokens_per_month: TenantMap = Field(default_factory=dict)
     # Free slots (of EDGEQ_MAX_JOBS) batch jobs never take (None: a quarter of EDGEQ_MAX_JOBS),
     # so a chat arriving while batch work fills the box starts at once.
     reserved_slots: int | None = Field(None, ge=0)
@@ -284,6 +290,10 @@ class WorkerSettings(ConnectionSettings):
             "tenant_tpm": self.tenant_tpm,
             "tenant_tokens_per_day": self.tenant_tokens_per_day,
             "tenant_tokens_per_month": self.tenant_tokens_per_month,
+            "key_rpm": self.key_rpm,
+            "key_tpm": self.key_tpm,
+            "key_tokens_per_day": self.key_tokens_per_day,
+            "key_tokens_per_month": self.key_tokens_per_month,
         }
 
     @property
@@ -300,6 +310,10 @@ class WorkerSettings(ConnectionSettings):
             tpm=counts(self.tenant_tpm),
             tokens_per_day=counts(self.tenant_tokens_per_day),
             tokens_per_month=counts(self.tenant_tokens_per_month),
+            key_rpm=counts(self.key_rpm),
+            key_tpm=counts(self.key_tpm),
+            key_tokens_per_day=counts(self.key_tokens_per_day),
+            key_tokens_per_month=counts(self.key_tokens_per_month),
             max_tokens=self.max_tokens,
             model=self.model,
             usage_keep_s=self.usage_keep_s or 0,

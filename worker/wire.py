@@ -39,6 +39,15 @@ class JobPayload:
         return DEFAULT_TENANT
 
     @property
+    def key_name(self) -> str:
+        """The name of the API key the job came with, read before validation like the
+        tenant ('': none, or not a valid name)."""
+        name = self.request.get("key_name") if isinstance(self.request, dict) else None
+        if isinstance(name, str) and re.fullmatch(TENANT_PATTERN, name):
+            return name
+        return ""
+
+    @property
     def priority(self) -> str:
         """The class the job was submitted in, read before validation (for its usage ledger
         and metrics); a request without a valid one counts to the default class."""

@@ -75,16 +75,18 @@ class QueueFull(EdgeqError):
 
 class RateLimited(QueueFull):
     """The tenant's requests or tokens per minute, or its token budget for the UTC day or
-    month, would be exceeded (docs/limits.md); nothing was enqueued. ``refusal`` says which
-    limit, its value, what is left and when it resets (a core/limits.py RateLimitRefusal)."""
+    month, would be exceeded, or those of the named API key it came with (docs/limits.md);
+    nothing was enqueued. ``refusal`` says which limit and whose, its value, what is left and
+    when it resets (a core/limits.py RateLimitRefusal)."""
 
-    def __init__(self, tenant: str, refusal: Any) -> None:
+    def __init__(self, tenant: str, refusal: Any, key_name: str | None = None) -> None:
         super().__init__(
-            f"tenant {tenant} is over its {refusal.limit.replace('_', ' ')} limit "
-            f"({refusal.value}, {refusal.setting}; {refusal.remaining} left): "
-            f"try again in {math.ceil(refusal.reset_s)} s"
+            f"{refusal.whose(tenant, key_name)} is over its "
+            f"{refusal.limit.replace('_', ' ')} limit ({refusal.value}, {refusal.setting}; "
+            f"{refusal.remaining} left): try again in {math.ceil(refusal.reset_s)} s"
         )
         self.tenant = tenant
+        self.key_name = key_name
         self.refusal = refusal
 
     @property

@@ -13,10 +13,11 @@ left is what decides what the engine computes: the messages, the adapter, the co
 (response_format, constraint, tools, tool_choice, parallel_tool_calls), and every sampling
 field (temperature, top_p, max_tokens, stop, seed, enable_thinking, logprobs, top_logprobs).
 The sampling fields are in on purpose: a crash can hang on a seed (the test poison of
-edgeq.testing.engine_poison does) or on how far a generation runs, and the refusal is there
-to stop a client's unchanged retries, not a person who changes the request. The model is not
-in the request: every worker of a queue serves one. The tenant is left out: a poison request
-takes down engines every tenant shares, so the same request is refused whoever sends it.
+edgeq.testing.engine_poison does) or on how far a generation runs, and the refusal is there to
+stop a client's unchanged retries, not a person who changes the request. The model is not in
+the request: every worker of a queue serves one. The tenant and the API key's name are left
+out: a poison request takes down engines every tenant shares, so the same request is refused
+whoever sends it.
 
 Both sides call ``request_fingerprint`` on the same dict: the producer on the request it
 enqueues (the arq record's one argument), the quarantine on that argument read back from the
@@ -38,7 +39,9 @@ from edgeq.core.protocol import record_request
 
 #: Request fields that only decide how a job is delivered and scheduled, not what the engine
 #: computes: left out of the fingerprint.
-DELIVERY_FIELDS = frozenset({"tenant", "priority", "on_worker_lost", "stream", "return_reasoning"})
+DELIVERY_FIELDS = frozenset(
+    {"tenant", "key_name", "priority", "on_worker_lost", "stream", "return_reasoning"}
+)
 
 
 def request_fingerprint(request: Mapping[str, Any]) -> str:

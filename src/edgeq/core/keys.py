@@ -178,9 +178,16 @@ def limits_usage_key(queue: str, tenant: str) -> str:
     return f"{limits_usage_prefix(queue)}{tenant}"
 
 
+def key_limits_usage_key(queue: str, key_name: str) -> str:
+    """``limits_usage_key``'s hash for a named API key with limits of its own. A tenant name
+    holds no ``:`` (core/scheduling.py TENANT_PATTERN), so no tenant's hash is ever this one."""
+    return f"{limits_usage_prefix(queue)}key:{key_name}"
+
+
 def limits_usage_prefix(queue: str) -> str:
     """``limits_usage_key`` without its tenant: the terminal step (lua/settle.lua) adds the
-    tenant a job's reservation names, so a writer that does not know it still settles it."""
+    tenant (or ``key:`` and the API key's name) a job's reservation names, so a writer that
+    does not know them still settles it."""
     return f"{queue}:limits-usage:"
 
 

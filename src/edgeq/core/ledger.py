@@ -1,4 +1,5 @@
-"""The usage ledger: what each tenant's jobs used, per UTC day, model (or adapter) and class.
+"""The usage ledger: what each tenant's jobs used, per UTC day, API key, model (or adapter) and
+class.
 
 A job is counted when its terminal event is written, by core/lua/publish_event.lua in the same
 step (core/events.py ``EventLog``): a job has exactly one terminal event, so it is counted
@@ -6,12 +7,13 @@ exactly once, also when another worker continued it after its first one died (th
 run writes the one terminal event) and when a write is sent again (the script answers a
 stored event before it counts anything).
 
-Layout (core/keys.py): one hash per queue, tenant and UTC day, ``{queue}:usage:<tenant>:<day>``,
-whose fields are ``<model>|<class>|<counter>``, and a set of the day's tenants,
-``{queue}:usage-tenants:<day>``; both expire EDGEQ_USAGE_KEEP_DAYS after their last write.
-A tenant name cannot hold ``:`` or ``|`` (TENANT_PATTERN), nor a class or counter ``|``;
-a model name may, so a field is split from its right. No text of a prompt or an answer is
-ever written here.
+Layout (core/keys.py): one hash per queue, tenant and UTC day,
+``{queue}:usage:<tenant>:<day>``, whose fields are ``<model>|<class>|<counter>``, or
+``key=<name>|<model>|<class>|<counter>`` for a job sent with a named API key (the request's
+``key_name``), and a set of the day's tenants, ``{queue}:usage-tenants:<day>``; both expire
+EDGEQ_USAGE_KEEP_DAYS after their last write. A tenant or key name cannot hold ``:`` or ``|``
+(TENANT_PATTERN), nor a class or counter ``|``; a model name may, so a field is split from its
+right once its key is taken off. No text of a prompt or an answer is ever written here.
 """
 
 from __future__ import annotations
@@ -38,21 +40,26 @@ COUNTERS = (
 ERROR_PREFIX = "error:"
 #: What separates a field's parts.
 SEPARATOR = "|"
+#: What starts a field of a job sent with a named API key: ``key=<name>|``.
+KEY_PREFIX = "key="
 #: The longest range of days ``read_usage`` reads at once.
 MAX_DAYS = 366
 
 
 @dataclass(frozen=True, slots=True)
 class LedgerScope:
-    """Where a job's usage is counted: its tenant, the model or adapter that answered it, and
-    its class as submitted (aging does not change it)."""
+    """Where a job's usage is counted: its tenant, the model or adapter that answered it, its
+    class as submitted (aging does not change it), and the name of the API key it was sent
+    with ('': none)."""
 
     tenant: str
     model: str
     priority: str
+    key: str = ""
 
     def field(self, counter: str) -> str:
-        return SEPARATOR.join((self.model, self.priority, counter))
+        field = SEPARATOR.join((self.model, self.priority, counter))
+        return f"{KEY_PREFIX}{self.key}{SEPARATOR}{field}" if self.key else field
 
 
 def unanswered_scope(payload: bytes | None, model: str) -> LedgerScope | None:
@@ -70,10 +77,12 @@ def unanswered_scope(payload: bytes | None, model: str) -> LedgerScope | None:
         tenant = DEFAULT_TENANT
     priority = request.get("priority")
     adapter = request.get("adapter")
+    key = request.get("key_name")
     return LedgerScope(
         tenant,
         adapter if isinstance(adapter, str) and valid_name(adapter) else model,
         priority if priority in PRIORITIES else DEFAULT_PRIORITY,
+        key if isinstance(key, str) and re.fullmatch(TENANT_PATTERN, key) else "",
     )
 
 
@@ -120,10 +129,11 @@ def ledger_arguments(scope: LedgerScope, event: DoneEvent | ErrorEvent) -> list[
 
 
 class UsageRow(BaseModel):
-    """One tenant's usage on one UTC day with one model (or adapter) in one class."""
+    """One tenant's usage on one UTC day with one API key, model (or adapter) and class."""
 
     tenant: str
     day: str = Field(description="UTC day, YYYY-MM-DD")
+    key: str | None = Field(None, description="the API key's name the jobs were sent with")
     model: str = Field(description="the model, or the LoRA adapter, that answered")
     priority: str = Field(description="the class the jobs were submitted in")
     requests: int = Field(0, description="jobs ended: done and errors together")
@@ -138,15 +148,20 @@ class UsageRow(BaseModel):
 
 
 def rows_of(tenant: str, day: str, fields: dict[bytes, bytes]) -> list[UsageRow]:
-    """A usage hash's fields as rows, one per model and class, sorted."""
-    rows: dict[tuple[str, str], UsageRow] = {}
+    """A usage hash's fields as rows, one per API key, model and class, sorted (the jobs
+    sent with no key first)."""
+    rows: dict[tuple[str, str, str], UsageRow] = {}
     for raw_field, raw_count in fields.items():
-        parts = raw_field.decode().rsplit(SEPARATOR, 2)
+        field, key = raw_field.decode(), ""
+        if field.startswith(KEY_PREFIX):
+            key, _, field = field.removeprefix(KEY_PREFIX).partition(SEPARATOR)
+        parts = field.rsplit(SEPARATOR, 2)
         if len(parts) != 3:
             continue  # not a ledger field
         model, priority, counter = parts
         row = rows.setdefault(
-            (model, priority), UsageRow(tenant=tenant, day=day, model=model, priority=priority)
+            (key, model, priority),
+            UsageRow(tenant=tenant, day=day, key=key or None, model=model, priority=priority),
         )
         count = int(raw_count)
         if counter.startswith(ERROR_PREFIX):
@@ -167,10 +182,16 @@ def days_between(first: dt.date, last: dt.date) -> list[str]:
 
 
 async def read_usage(
-    redis: Redis, queue: str, days: Sequence[str], *, tenants: Iterable[str] | None = None
+    redis: Redis,
+    queue: str,
+    days: Sequence[str],
+    *,
+    tenants: Iterable[str] | None = None,
+    key: str | None = None,
 ) -> list[UsageRow]:
     """The ledger's rows for ``days`` (``tenants``: only theirs; None: every tenant counted
-    on each day), by day, tenant, model and class."""
+    on each day; ``key``: only the jobs sent with that API key), by day, tenant, key, model
+    and class."""
     wanted = None if tenants is None else sorted(set(tenants))
     async with redis.pipeline(transaction=False) as pipe:
         for day in days:
@@ -188,4 +209,4 @@ async def read_usage(
     rows: list[UsageRow] = []
     for (day, tenant), fields in zip(pairs, hashes, strict=True):
         rows += rows_of(tenant, day, fields)
-    return rows
+    return rows if key is None else [row for row in rows if row.key == key]

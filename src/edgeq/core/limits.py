@@ -29,9 +29,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from edgeq.core.keys import limits_usage_key, tenancy_key
+from edgeq.core.keys import key_limits_usage_key, limits_usage_key, tenancy_key
 from edgeq.core.protocol import dump_json
-from edgeq.core.scheduling import LIMIT_FIELDS
+from edgeq.core.scheduling import KEY_LIMIT_FIELDS, LIMIT_FIELDS
 
 #: A prompt's tokens are estimated at admission as one per this many characters of its
 #: messages (and tools) as JSON: OpenAI's rule of thumb for English. The settlement replaces
@@ -41,7 +41,9 @@ CHARS_PER_TOKEN = 4
 LimitName = Literal["rpm", "tpm", "tokens_per_day", "tokens_per_month"]
 #: Which limit refused a chat (the enqueue's reply; OpenAI's words for the first two).
 Refusal = Literal["requests", "tokens", "tokens_per_day", "tokens_per_month"]
-#: Which setting each refusal comes from.
+#: Whose limit refused it: the tenant's, or the named API key's the request came with.
+Scope = Literal["tenant", "key"]
+#: Which setting each refusal comes from (a key's: EDGEQ_KEY_ instead of EDGEQ_TENANT_).
 SETTING_OF: dict[str, str] = {
     "requests": "EDGEQ_TENANT_RPM",
     "tokens": "EDGEQ_TENANT_TPM",
@@ -61,6 +63,7 @@ class RateLimitRefusal(BaseModel):
     """Why a chat was refused at the door, with what OpenAI's rate-limit headers say."""
 
     limit: Refusal
+    scope: Scope = Field("tenant", description="whose limit: the tenant's or the API key's")
     value: int = Field(ge=0, description="the limit that refused it")
     remaining: int = Field(ge=0, description="what is left of it in its window")
     reset_s: float = Field(ge=0, description="until its window turns")
@@ -75,9 +78,11 @@ class RateLimitRefusal(BaseModel):
     def from_reply(cls, reply: Sequence[Any]) -> RateLimitRefusal:
         """The enqueue script's RATE_LIMITED reply (lua/limits.lua admit), after its code."""
         which = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-        numbers = [int(value) for value in reply[1:]]
+        numbers = [int(value) for value in reply[1:9]]
+        scope = reply[9] if len(reply) > 9 else b"tenant"  # absent before keys had limits
         return cls(
             limit=which,  # type: ignore[arg-type]
+            scope=scope.decode() if isinstance(scope, bytes) else str(scope),
             value=numbers[0],
             remaining=numbers[1],
             reset_s=numbers[2] / 1000,
@@ -90,24 +95,34 @@ class RateLimitRefusal(BaseModel):
 
     @property
     def setting(self) -> str:
-        return SETTING_OF[self.limit]
+        setting = SETTING_OF[self.limit]
+        return setting.replace("_TENANT_", "_KEY_") if self.scope == "key" else setting
+
+    def whose(self, tenant: str, key_name: str | None) -> str:
+        """Whose limit it was, in words: ``tenant support`` or ``API key web (tenant
+        support)``."""
+        if self.scope == "key":
+            return f"API key {key_name} (tenant {tenant})"
+        return f"tenant {tenant}"
 
 
-def waiting_reason(tenant: str, refusal: RateLimitRefusal) -> str:
+def waiting_reason(tenant: str, refusal: RateLimitRefusal, key_name: str | None = None) -> str:
     """What a batch whose lines this refusal holds back says while they wait."""
     until = datetime.now(UTC) + timedelta(seconds=refusal.reset_s)
     return (
-        f"lines wait: tenant {tenant}'s {refusal.limit.replace('_', ' ')} limit "
-        f"({refusal.value}, {refusal.setting}) is spent until {until:%Y-%m-%d %H:%M:%S} UTC"
+        f"lines wait: {refusal.whose(tenant, key_name)}'s {refusal.limit.replace('_', ' ')} "
+        f"limit ({refusal.value}, {refusal.setting}) is spent until "
+        f"{until:%Y-%m-%d %H:%M:%S} UTC"
     )
 
 
 async def set_limit(
-    redis: Redis, queue: str, tenant: str, name: LimitName, value: int
+    redis: Redis, queue: str, tenant: str, name: LimitName, value: int, *, key: bool = False
 ) -> None:
-    """Change one tenant's limit at run time (0: none). Until a worker starts again, which
-    publishes its own settings over it."""
-    field = f"{LIMIT_FIELDS[name]}{tenant}"
+    """Change one tenant's limit at run time (0: none); with ``key``, ``tenant`` names an API
+    key (a request's ``key_name``) and its limit is changed. Until a worker starts again,
+    which publishes its own settings over it."""
+    field = f"{(KEY_LIMIT_FIELDS if key else LIMIT_FIELDS)[name]}{tenant}"
     if value > 0:
         await redis.hset(tenancy_key(queue), field, str(value))
     else:
@@ -130,17 +145,21 @@ def windows_at(now_ms: int) -> tuple[int, int, int]:
     return now_ms // 60_000, now_ms // 86_400_000, moment.year * 12 + moment.month - 1
 
 
-async def read_usage(redis: Redis, queue: str, tenant: str) -> TenantUsage:
-    """The tenant's usage now (Redis's clock, or the tenancy hash's frozen one)."""
+async def read_usage(
+    redis: Redis, queue: str, tenant: str, *, key: bool = False
+) -> TenantUsage:
+    """The tenant's usage now (Redis's clock, or the tenancy hash's frozen one); with ``key``,
+    ``tenant`` names an API key and the key's usage is read."""
     frozen = await redis.hget(tenancy_key(queue), "limits_clock_ms")
     if frozen is not None:
         now_ms = int(frozen)
     else:
         seconds, micros = await redis.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
+    usage_key = key_limits_usage_key(queue, tenant) if key else limits_usage_key(queue, tenant)
     raw = {
-        key.decode(): int(float(value))
-        for key, value in (await redis.hgetall(limits_usage_key(queue, tenant))).items()
+        field.decode(): int(float(value))
+        for field, value in (await redis.hgetall(usage_key)).items()
     }
     minute, day, month = windows_at(now_ms)
     same_minute = raw.get("minute") == minute

@@ -106,6 +106,9 @@ class ChatRequest(BaseModel):
     # None: "default", and the client's EDGEQ_TENANT.
     priority: Priority | None = None
     tenant: str | None = Field(None, pattern=TENANT_PATTERN)
+    # The name of the API key the request came with (never the key itself): its own rate
+    # limits (core/limits.py) and usage-ledger rows (core/ledger.py), within its tenant's.
+    key_name: str | None = Field(None, pattern=TENANT_PATTERN)
     # The LoRA adapter to answer with (core/adapters.py); None: the tenant's default adapter
     # on the worker (EDGEQ_TENANT_ADAPTERS), else the base model.
     adapter: str | None = Field(None, pattern=ADAPTER_PATTERN)

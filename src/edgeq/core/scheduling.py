@@ -67,6 +67,16 @@ LIMIT_FIELDS: dict[str, str] = {
 }
 
 
+#: The same limits of a named API key (a request's ``key_name``), and their prefixes: a key's
+#: limits hold within its tenant's, and a chat must fit both.
+KEY_LIMIT_FIELDS: dict[str, str] = {
+    "rpm": "krpm:",
+    "tpm": "ktpm:",
+    "tokens_per_day": "ktpd:",
+    "tokens_per_month": "ktpmo:",
+}
+
+
 class Tenancy(BaseModel):
     """The queue's sharing rules, as the workers publish them."""
 
@@ -79,6 +89,11 @@ class Tenancy(BaseModel):
     tpm: dict[str, int] = Field(default_factory=dict)
     tokens_per_day: dict[str, int] = Field(default_factory=dict)
     tokens_per_month: dict[str, int] = Field(default_factory=dict)
+    # The same per API key name (EDGEQ_KEY_RPM and the rest): key name -> its limit.
+    key_rpm: dict[str, int] = Field(default_factory=dict)
+    key_tpm: dict[str, int] = Field(default_factory=dict)
+    key_tokens_per_day: dict[str, int] = Field(default_factory=dict)
+    key_tokens_per_month: dict[str, int] = Field(default_factory=dict)
     #: The workers' EDGEQ_MAX_TOKENS: what a chat that sets no max_tokens reserves.
     max_tokens: int = Field(256, ge=1)
     #: The workers' EDGEQ_MODEL and EDGEQ_USAGE_KEEP_DAYS in seconds (0: no ledger): what a
@@ -90,6 +105,11 @@ class Tenancy(BaseModel):
     def limits_of(self, name: str) -> dict[str, int]:
         """One of LIMIT_FIELDS' limits, tenant -> value."""
         limits: dict[str, int] = getattr(self, name)
+        return limits
+
+    def key_limits_of(self, name: str) -> dict[str, int]:
+        """One of KEY_LIMIT_FIELDS' limits, API key name -> value."""
+        limits: dict[str, int] = getattr(self, f"key_{name}")
         return limits
 
     def weight_of(self, tenant: str) -> float:
@@ -115,6 +135,11 @@ async def publish_tenancy(redis: Redis, queue: str, tenancy: Tenancy) -> None:
             f"{prefix}{tenant}": str(value)
             for name, prefix in LIMIT_FIELDS.items()
             for tenant, value in tenancy.limits_of(name).items()
+        },
+        **{
+            f"{prefix}{key_name}": str(value)
+            for name, prefix in KEY_LIMIT_FIELDS.items()
+            for key_name, value in tenancy.key_limits_of(name).items()
         },
     }
     async with redis.pipeline(transaction=True) as pipe:
@@ -154,6 +179,14 @@ async def read_tenancy(redis: Redis, queue: str) -> Tenancy | None:
                 if key.startswith(prefix)
             }
             for name, prefix in LIMIT_FIELDS.items()
+        },
+        **{
+            f"key_{name}": {
+                key.removeprefix(prefix): int(value)
+                for key, value in raw.items()
+                if key.startswith(prefix)
+            }
+            for name, prefix in KEY_LIMIT_FIELDS.items()
         },
     )
 

@@ -29,18 +29,22 @@ async def submit(
     tenant: str | None,
     *,
     idempotency_key: str | None = None,
+    key_name: str | None = None,
 ) -> tuple[ChatJob, dict[str, Any]]:
     """Enqueue the body's job for ``tenant``: the job, and the edgeq fields it was sent with
     (less its messages). Raises ModelNotServed, UnsupportedField (a field edgeq cannot
     honour) or what ChatClient refuses (an EdgeqError: a full queue, Redis away, an
     ``idempotency_key`` given to another request). With ``idempotency_key``, the same request
-    sent again gets the first one's job (ChatClient.submit)."""
+    sent again gets the first one's job (ChatClient.submit). ``key_name``: the name of the API
+    key it came with (its own limits and ledger rows)."""
     names = await models.names()
     if body.model not in names:
         raise ModelNotServed(body.model, names)
     fields = body.edgeq_fields()
     if tenant is not None:
         fields["tenant"] = tenant
+    if key_name is not None:
+        fields["key_name"] = key_name
     if body.model in await models.adapters():  # as vLLM's server: an adapter is a model
         fields["adapter"] = body.model
     job = await client.submit(fields.pop("messages"), idempotency_key=idempotency_key, **fields)

@@ -3,22 +3,25 @@
 -- calls share in `batch`, and wakes the workers once per batch.
 --
 -- KEYS: the queue, the job's payload, then the queue's fair-queuing state, tenant-of,
--- queued-by-tenant, aging and tenancy keys (core/scheduling.py), optionally the queue's
--- batch lines (core/keys.py batch_lines_key), optionally (after the batch lines) the
--- submit's idempotency key (core/keys.py idempotency_key), and optionally (after that) the
--- tenant's limits usage hash and the job's reservation key (core/keys.py limits_usage_key,
+-- queued-by-tenant, aging and tenancy keys (core/scheduling.py), optionally the queue's batch
+-- lines (core/keys.py batch_lines_key), optionally (after the batch lines) the submit's
+-- idempotency key (core/keys.py idempotency_key), and optionally (after that) the tenant's
+-- limits usage hash and the job's reservation key (core/keys.py limits_usage_key,
 -- reservation_key); ARGV: the payload, its TTL (ms), the queue's limit, the job id, the wake
 -- channel, the band, the tenant, with the idempotency key the request's hash and how long the
 -- key holds (ms), and with the limits keys the prompt's estimated tokens and the completion
--- tokens to reserve (0: the workers' EDGEQ_MAX_TOKENS), and optionally (after the limits
--- keys) the request's poison-refusal key (core/keys.py poison_refusal_key, named by its
--- fingerprint: core/fingerprint.py). A call with the limits keys and no
--- idempotency key passes any key of the queue's slot (the payload's) as the idempotency key
--- and an empty hash. Returns {Enqueued, the tenant's cap when it is TENANT_FULL, or the job
--- id the idempotency key was given when it is EXISTING or IDEMPOTENCY_CONFLICT, or what
--- limits.lua's admit says when it is RATE_LIMITED}; UNLIMITED_CALLER ({-5}) for a call without
--- the limits keys for a tenant that has limits; POISON_REFUSED ({-6, the quarantined job's id,
--- the ms the refusal still holds}) while the poison-refusal key is set.
+-- tokens to reserve (0: the workers' EDGEQ_MAX_TOKENS), and optionally (after the limits keys)
+-- the request's poison-refusal key (core/keys.py poison_refusal_key, named by its fingerprint:
+-- core/fingerprint.py; a call that has no fingerprint and passes what follows passes the
+-- refusal key of the empty fingerprint, which is never set), and optionally (after that) the
+-- usage hash of the API key the request came with (core/keys.py key_limits_usage_key) with
+-- ARGV 12 the key's name ('': none). A call with the limits keys and no idempotency key passes
+-- any key of the queue's slot (the payload's) as the idempotency key and an empty hash.
+-- Returns {Enqueued, the tenant's cap when it is TENANT_FULL, or the job id the idempotency
+-- key was given when it is EXISTING or IDEMPOTENCY_CONFLICT, or what limits.lua's admit says
+-- when it is RATE_LIMITED}; UNLIMITED_CALLER ({-5}) for a call without the limits keys for a
+-- tenant that has limits; POISON_REFUSED ({-6, the quarantined job's id, the ms the refusal
+-- still holds}) while the poison-refusal key is set.
 --
 -- The idempotency key is looked at first, so a retried submit gets its job's id even when the
 -- queue has filled up since; it is taken only with the enqueue. Calls of one batch run one
@@ -82,13 +85,22 @@ if cap > 0 then
   if queued >= cap then return {-2, cap} end
 end
 -- Rate limits and token budgets last: a chat refused for any other reason counts nowhere.
-local limits = {rules[5], rules[6], rules[7], rules[8], rules[9]}
+local limits = {rules[5], rules[6], rules[7], rules[8]}
 if KEYS[10] then
   local completion = tonumber(ARGV[11])
   if completion <= 0 then completion = tonumber(rules[10] or '256') end
+  local scopes = {{used = KEYS[10], limits = limits, who = 'tenant', counted = tenant}}
+  local key_name = ARGV[12] or ''
+  if KEYS[13] and key_name ~= '' then
+    local key_limits = per_batch('key:' .. KEYS[7] .. ':' .. key_name, function()
+      return redis.call('HMGET', KEYS[7], 'krpm:' .. key_name, 'ktpm:' .. key_name,
+        'ktpd:' .. key_name, 'ktpmo:' .. key_name)
+    end)
+    scopes[2] = {used = KEYS[13], limits = key_limits, who = 'key', counted = 'key:' .. key_name}
+  end
   -- Held while the chat may still run: its deadline in the queue, and an hour to answer.
-  local refused = admit(KEYS[10], KEYS[11], limits, tenant, tonumber(ARGV[10]), completion,
-    tonumber(ARGV[2]) + 3600000)
+  local refused = admit(scopes, KEYS[11], tenant, tonumber(ARGV[10]), completion,
+    tonumber(ARGV[2]) + 3600000, rules[9])
   if refused then return refused end
 elseif limited(limits) then
   return {-5}

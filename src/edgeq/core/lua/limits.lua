@@ -1,12 +1,12 @@
 -- Shared functions (core/scripts.py prepends this file, after clock.lua) of the enqueue, which
--- admits a chat against its tenant's rate limits and token budgets and reserves its tokens in
--- the same step, and of the settlement (settle.lua, core/limits.py).
+-- admits a chat against its tenant's and its API key's rate limits and token budgets and
+-- reserves its tokens in the same step, and of the settlement (settle.lua, core/limits.py).
 --
 -- Windows are fixed, on Redis's clock: the UTC minute, the UTC day and the UTC calendar month
 -- (not sliding: a tenant may spend a minute's limit at 12:00:59 and again at 12:01:00). A
--- tenant's usage hash (core/keys.py limits_usage_key) holds the window it last counted in
--- beside each count; a count of a window that is over is read as 0, so nothing needs resetting
--- when a window turns. The tenancy hash's `limits_clock_ms`, when set, is read instead of
+-- scope's usage hash (core/keys.py limits_usage_key, key_limits_usage_key) holds the window
+-- it last counted in beside each count; a count of a window that is over is read as 0, so
+-- nothing needs resetting when a window turns. The tenancy hash's `limits_clock_ms`, when set, is read instead of
 -- Redis's clock: tests drive the windows with it (docs/limits.md).
 
 local MINUTE_MS, DAY_MS = 60000, 86400000
@@ -49,7 +49,7 @@ local function windows_at(now_ms)
   }
 end
 
--- What the tenant has used in the windows `w` (a count of a window that is over reads 0).
+-- What a scope (a tenant, an API key) has used in the windows `w` (a count of a window that is over reads 0).
 local function usage_in(used_key, w)
   local u = redis.call('HMGET', used_key, 'minute', 'requests', 'tokens', 'day', 'day_tokens',
     'month', 'month_tokens')
@@ -71,41 +71,63 @@ local function limited(limits)
   return false
 end
 
--- Admit a chat of `tenant` costing `prompt` + `completion` tokens against the limits {rpm, tpm, tokens per day, tokens per
--- month, the frozen clock} (tenancy fields, false when unset; 0 or unset: no limit). Admitted:
--- counts it and writes its reservation (kept `reservation_ttl_ms`), returns nil. Refused:
--- returns {-4, which limit, its value, what is left of it, ms until it resets, rpm, requests
--- left, tpm, tokens left, ms until the minute resets}; nothing is counted.
-local function admit(used_key, reservation_key, limits, tenant, prompt, completion,
-                     reservation_ttl_ms)
-  local rpm, tpm = tonumber(limits[1] or '0'), tonumber(limits[2] or '0')
-  local per_day, per_month = tonumber(limits[3] or '0'), tonumber(limits[4] or '0')
-  if not limited(limits) then return nil end
-  local now = tonumber(limits[5] or '') or redis_now_ms()
+-- Admit a chat costing `prompt` + `completion` tokens against the limits of each of its
+-- scopes: its tenant's and, when it came with a named API key that has limits, the key's.
+-- `scopes`: {{used = the scope's usage hash, limits = {rpm, tpm, tokens per day, tokens per
+-- month} (tenancy fields, false when unset; 0 or unset: no limit), who = 'tenant' or 'key',
+-- counted = its usage hash's suffix after the queue's prefix}}; `clock`: the tenancy hash's
+-- frozen clock (false: Redis's). A chat fits only if it fits every scope's limits. Admitted:
+-- counts it in every limited scope and writes its reservation (kept `reservation_ttl_ms`),
+-- returns nil. Refused: returns {-4, which limit, its value, what is left of it, ms until it
+-- resets, rpm, requests left, tpm, tokens left, ms until the minute resets (all of the
+-- refusing scope), whose limit it is ('tenant' or 'key')}; nothing is counted anywhere.
+local function admit(scopes, reservation_key, tenant, prompt, completion, reservation_ttl_ms,
+                     clock)
+  local counted = {}
+  for _, scope in ipairs(scopes) do
+    if limited(scope.limits) then counted[#counted + 1] = scope end
+  end
+  if #counted == 0 then return nil end
+  local now = tonumber(clock or '') or redis_now_ms()
   local w = windows_at(now)
-  local u = usage_in(used_key, w)
   local cost, minute_left = prompt + completion, w.minute_end - now
-  local function refused(which, limit, used, reset_ms)
-    return {-4, which, limit, math.max(limit - used, 0), reset_ms, rpm,
-      math.max(rpm - u.requests, 0), tpm, math.max(tpm - u.tokens, 0), minute_left}
+  for _, scope in ipairs(counted) do
+    local limits = scope.limits
+    local rpm, tpm = tonumber(limits[1] or '0'), tonumber(limits[2] or '0')
+    local per_day, per_month = tonumber(limits[3] or '0'), tonumber(limits[4] or '0')
+    local u = usage_in(scope.used, w)
+    scope.u = u
+    local function refused(which, limit, used, reset_ms)
+      return {-4, which, limit, math.max(limit - used, 0), reset_ms, rpm,
+        math.max(rpm - u.requests, 0), tpm, math.max(tpm - u.tokens, 0), minute_left, scope.who}
+    end
+    if rpm > 0 and u.requests + 1 > rpm then
+      return refused('requests', rpm, u.requests, minute_left)
+    end
+    if tpm > 0 and u.tokens + cost > tpm then
+      return refused('tokens', tpm, u.tokens, minute_left)
+    end
+    if per_day > 0 and u.day + cost > per_day then
+      return refused('tokens_per_day', per_day, u.day, w.day_end - now)
+    end
+    if per_month > 0 and u.month + cost > per_month then
+      return refused('tokens_per_month', per_month, u.month, w.month_end - now)
+    end
   end
-  if rpm > 0 and u.requests + 1 > rpm then
-    return refused('requests', rpm, u.requests, minute_left)
+  local suffixes = {}
+  for _, scope in ipairs(counted) do
+    local u = scope.u
+    redis.call('HSET', scope.used, 'minute', w.minute, 'requests', u.requests + 1,
+      'tokens', u.tokens + cost, 'day', w.day, 'day_tokens', u.day + cost,
+      'month', w.month, 'month_tokens', u.month + cost)
+    -- Kept until its month is over (a day more: the settlement of the month's last chats).
+    redis.call('PEXPIRE', scope.used, w.month_end - now + DAY_MS)
+    suffixes[#suffixes + 1] = scope.counted
   end
-  if tpm > 0 and u.tokens + cost > tpm then return refused('tokens', tpm, u.tokens, minute_left) end
-  if per_day > 0 and u.day + cost > per_day then
-    return refused('tokens_per_day', per_day, u.day, w.day_end - now)
-  end
-  if per_month > 0 and u.month + cost > per_month then
-    return refused('tokens_per_month', per_month, u.month, w.month_end - now)
-  end
-  redis.call('HSET', used_key, 'minute', w.minute, 'requests', u.requests + 1,
-    'tokens', u.tokens + cost, 'day', w.day, 'day_tokens', u.day + cost,
-    'month', w.month, 'month_tokens', u.month + cost)
-  -- Kept until its month is over (a day more: the settlement of the month's last chats).
-  redis.call('PEXPIRE', used_key, w.month_end - now + DAY_MS)
+  -- `counted`: the usage hashes the settlement gives back to (lua/settle.lua).
   redis.call('HSET', reservation_key, 'tenant', tenant, 'prompt', prompt,
-    'completion', completion, 'minute', w.minute, 'day', w.day, 'month', w.month)
+    'completion', completion, 'minute', w.minute, 'day', w.day, 'month', w.month,
+    'counted', table.concat(suffixes, ' '))
   redis.call('PEXPIRE', reservation_key, reservation_ttl_ms)
   return nil
 end

@@ -272,6 +272,7 @@ class BatchRun:
             max_depth=0,
             tenant=self.tenant,
             priority="batch",
+            key_name=item.request.get("key_name"),
         )
         if outcome in (Enqueued.ACCEPTED, Enqueued.DUPLICATE_ID):
             if self.waiting_for_limits:
@@ -279,7 +280,8 @@ class BatchRun:
             return True
         if isinstance(detail, RateLimitRefusal):
             if not self.waiting_for_limits:
-                await self.say_waiting(waiting_reason(self.tenant, detail))
+                reason = waiting_reason(self.tenant, detail, item.request.get("key_name"))
+                await self.say_waiting(reason)
             # Tried again when its window turns, or sooner: a limit raised meanwhile.
             await asyncio.sleep(min(max(detail.reset_s, QUEUE_FULL_RETRY_S), LIMITS_RETRY_S))
             return False

@@ -339,7 +339,13 @@ def _envelope(number: int, raw: bytes) -> dict[str, Any] | BatchErrorItem:
 
 
 def parse_line(
-    number: int, raw: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
+    number: int,
+    raw: bytes,
+    *,
+    tenant: str,
+    models: list[str] | None,
+    settings: ResourceSettings,
+    key_name: str | None = None,
 ) -> BatchLine | BatchErrorItem:
     """One input line (numbered from 1) as a BatchLine, or what is wrong with it."""
     item = _envelope(number, raw)
@@ -354,6 +360,8 @@ def parse_line(
         # and is not streamed: the runner wants its result only, and a line's job then stores
         # 2 events in Redis, not one for each stream interval of its answer.
         fields.update(priority="batch", tenant=tenant, stream=False)
+        if key_name is not None:
+            fields["key_name"] = key_name
         request = build_request(fields.pop("messages"), **fields)
     except ValidationError as error:
         return _problem(
@@ -375,7 +383,12 @@ def parse_line(
 
 
 def parse_batch_file(
-    content: bytes, *, tenant: str, models: list[str] | None, settings: ResourceSettings
+    content: bytes,
+    *,
+    tenant: str,
+    models: list[str] | None,
+    settings: ResourceSettings,
+    key_name: str | None = None,
 ) -> tuple[list[BatchLine], list[BatchErrorItem]]:
     """Every line of an input file, validated; blank lines are skipped (they count in the
     numbering, as an editor shows it). CPU-bound: run it in a thread."""
@@ -385,7 +398,9 @@ def parse_batch_file(
     for number, raw in enumerate(content.split(b"\n"), start=1):
         if not raw.strip():
             continue
-        parsed = parse_line(number, raw, tenant=tenant, models=models, settings=settings)
+        parsed = parse_line(
+            number, raw, tenant=tenant, models=models, settings=settings, key_name=key_name
+        )
         if isinstance(parsed, BatchErrorItem):
             problems.append(parsed)
             continue
@@ -681,9 +696,12 @@ class BatchStore:
         completion_window: str = COMPLETION_WINDOW,
         metadata: dict[str, str] | None = None,
         models: list[str] | None = None,
+        key_name: str | None = None,
     ) -> BatchObject:
         """Validate every line of the input file, then either fail the batch (``errors``
-        names each bad line; nothing runs) or leave it ``in_progress`` for a runner."""
+        names each bad line; nothing runs) or leave it ``in_progress`` for a runner. Its
+        lines' jobs carry ``key_name``, the API key it was created with (that key's limits
+        and ledger rows)."""
         _check_endpoint(endpoint, completion_window)
         owner = self.tenant_of(tenant)
         await self._input_file(owner, input_file_id)
@@ -692,7 +710,12 @@ class BatchStore:
             raise self.over_cap(owner, CapReached.BATCHES, usage.active_batches, 0)
         content = await self.file_content(owner, input_file_id)
         lines, problems = await asyncio.to_thread(
-            parse_batch_file, content, tenant=owner, models=models, settings=self.settings
+            parse_batch_file,
+            content,
+            tenant=owner,
+            models=models,
+            settings=self.settings,
+            key_name=key_name,
         )
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = time.time()
