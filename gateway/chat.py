@@ -83,14 +83,9 @@ async def chat_completions(
     key: Annotated[str | None, Depends(idempotency_key)],
 ) -> Response:
     started = time.monotonic()
+    retry_after_s = settings.gateway_retry_after_s
     job, fields = await submit_job(
-        client,
-        models,
-        body,
-        tenant,
-        settings.gateway_retry_after_s,
-        idempotency_key=key,
-        key_name=key_name,
+        client, models, body, tenant, retry_after_s, idempotency_key=key, key_name=key_name
     )
     bound = log.bind(
         job_id=job.job_id,

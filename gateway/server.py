@@ -53,17 +53,7 @@ def run_gateway(
         print(f"edgeq gateway: {error}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(settings.log_level)
-    structlog.get_logger("edgeq.gateway").info(
-        "gateway_starting",
-        listen=f"{settings.gateway_host}:{settings.gateway_port}",
-        redis=redacted_url(settings.redis_url),
-        queue=settings.queue,
-        auth="bearer" if settings.auth_required else "off",
-        tenant_keys=len(settings.gateway_tenant_keys),
-        # Names, not keys: what EDGEQ_KEY_RPM and the usage ledger know each key by.
-        key_names=sorted({job_key.name for job_key in settings.job_keys}),
-        workers=settings.gateway_workers,
-    )
+    _log_start(settings)
     if settings.gateway_workers > 1:
         return _run_processes(settings)
     server = uvicorn.Server(
@@ -92,6 +82,20 @@ def run_gateway(
         )
         return EXIT_UNAVAILABLE
     return EXIT_OK
+
+
+def _log_start(settings: GatewaySettings) -> None:
+    structlog.get_logger("edgeq.gateway").info(
+        "gateway_starting",
+        listen=f"{settings.gateway_host}:{settings.gateway_port}",
+        redis=redacted_url(settings.redis_url),
+        queue=settings.queue,
+        auth="bearer" if settings.auth_required else "off",
+        tenant_keys=len(settings.gateway_tenant_keys),
+        # Names, not keys: what EDGEQ_KEY_RPM and the usage ledger know each key by.
+        key_names=sorted({job_key.name for job_key in settings.job_keys}),
+        workers=settings.gateway_workers,
+    )
 
 
 def _run_processes(settings: GatewaySettings) -> int:
