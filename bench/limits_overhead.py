@@ -9,7 +9,9 @@ batch runner run, without the subscription), alternating over the rounds:
 - ``off``: a tenant with no limits (the enqueue passes the limits keys and the script finds
   none: nothing is read or counted beyond the tenancy fields it reads anyway);
 - ``on``: a tenant with all four limits, set far above what the round submits (every submit is
-  admitted, counted and reserved).
+  admitted, counted and reserved);
+- ``key``: the same tenant's submits sent with an API key's name (``key_name``) that has all
+  four limits too (each submit is admitted, counted and reserved in both scopes).
 
 Each round, on a fresh queue: ``--jobs`` enqueues one after the other (the latency of one
 submit), then ``--jobs`` more in bursts of ``--burst`` concurrent ones (one script call per
@@ -33,36 +35,44 @@ from edgeq.testing.processes import RedisServer
 
 REQUEST = {"messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16}
 BIG = 10**12  # every limit far above what a round submits
-MODES = {
-    "off": Tenancy(),
-    "on": Tenancy(
-        rpm={"bench": BIG}, tpm={"bench": BIG},
-        tokens_per_day={"bench": BIG}, tokens_per_month={"bench": BIG},
-    ),
+LIMITED = {
+    "rpm": {"bench": BIG}, "tpm": {"bench": BIG},
+    "tokens_per_day": {"bench": BIG}, "tokens_per_month": {"bench": BIG},
 }  # fmt: skip
+KEY_LIMITED = {f"key_{name}": {"web": BIG} for name in LIMITED}
+#: Each mode's rules and the key name its submits carry (None: none).
+MODES: dict[str, tuple[Tenancy, str | None]] = {
+    "off": (Tenancy(), None),
+    "on": (Tenancy(**LIMITED), None),  # type: ignore[arg-type]
+    "key": (Tenancy(**LIMITED, **KEY_LIMITED), "web"),  # type: ignore[arg-type]
+}
 
 
-async def _enqueue(queue: JobQueue) -> None:
+async def _enqueue(queue: JobQueue, key_name: str | None) -> None:
     outcome = await queue.enqueue(
-        uuid.uuid4().hex, REQUEST, deadline_s=600, max_depth=0, tenant="bench", priority=None
-    )
+        uuid.uuid4().hex, REQUEST, deadline_s=600, max_depth=0, tenant="bench", priority=None,
+        key_name=key_name,
+    )  # fmt: skip
     assert outcome.outcome is Enqueued.ACCEPTED, outcome
 
 
-async def one_round(redis: Redis, tenancy: Tenancy, jobs: int, burst: int) -> tuple[float, float]:
+async def one_round(
+    redis: Redis, mode: tuple[Tenancy, str | None], jobs: int, burst: int
+) -> tuple[float, float]:
     """(median µs of a lone enqueue, enqueues per second in bursts) on a fresh queue."""
+    tenancy, key_name = mode
     name = f"edgeq:bench-limits-{uuid.uuid4().hex[:8]}"
     await publish_tenancy(redis, name, tenancy)
     queue = JobQueue(redis, name)
-    await _enqueue(queue)  # the script loaded, the connection made
+    await _enqueue(queue, key_name)  # the script loaded, the connection made
     lone = []
     for _ in range(jobs):
         start = time.perf_counter()
-        await _enqueue(queue)
+        await _enqueue(queue, key_name)
         lone.append(time.perf_counter() - start)
     start = time.perf_counter()
     for _ in range(jobs // burst):
-        await asyncio.gather(*(_enqueue(queue) for _ in range(burst)))
+        await asyncio.gather(*(_enqueue(queue, key_name) for _ in range(burst)))
     rate = (jobs // burst) * burst / (time.perf_counter() - start)
     await redis.flushdb()
     return statistics.median(lone) * 1e6, rate
@@ -79,8 +89,8 @@ async def run(rounds: int, jobs: int, burst: int) -> dict[str, list[tuple[float,
         redis = Redis.from_url(server.url)
         try:
             for _ in range(rounds):
-                for mode, tenancy in MODES.items():  # alternating: drift hits both alike
-                    results[mode].append(await one_round(redis, tenancy, jobs, burst))
+                for mode, rules in MODES.items():  # alternating: drift hits all alike
+                    results[mode].append(await one_round(redis, rules, jobs, burst))
         finally:
             await redis.aclose()
     finally:

@@ -421,9 +421,9 @@ async def test_a_real_worker_settles_each_chat_with_what_it_used(
         await redis.hdel(tenancy_key(queue), "limits_clock_ms")
 
 
-async def test_the_limits_bench_measures_both_modes_on_a_redis_of_its_own() -> None:
+async def test_the_limits_bench_measures_every_mode_on_a_redis_of_its_own() -> None:
     results = await limits_overhead.run(rounds=1, jobs=20, burst=10)
-    assert set(results) == {"off", "on"}
+    assert set(results) == {"off", "on", "key"}
     assert all(lone > 0 and rate > 0 for rows in results.values() for lone, rate in rows)
 
 
@@ -438,6 +438,18 @@ def test_the_workers_settings_become_the_published_limits(
     assert tenancy.tokens_per_day == {"nightly": 5_000_000}
     assert tenancy.tpm == tenancy.tokens_per_month == {}
     assert tenancy.max_tokens == 64
+    assert tenancy.key_rpm == {}
+
+
+def test_the_workers_key_limits_become_the_published_key_limits(
+    monkeypatch: pytest.MonkeyPatch, clean_edgeq_env: None
+) -> None:
+    monkeypatch.setenv("EDGEQ_KEY_TPM", "web=300000,key-0123456789ab=5000")
+    monkeypatch.setenv("EDGEQ_KEY_TOKENS_PER_MONTH", "web=9000000")
+    tenancy = WorkerSettings().tenancy
+    assert tenancy.key_tpm == {"web": 300_000, "key-0123456789ab": 5000}
+    assert tenancy.key_tokens_per_month == {"web": 9_000_000}
+    assert tenancy.tpm == tenancy.key_rpm == {}
     assert {"support", "team-ml", "nightly"} <= set(tenancy.named_tenants)
     for bad in ("support=1.5", "support=0", "support"):
         monkeypatch.setenv("EDGEQ_TENANT_TPM", bad)
