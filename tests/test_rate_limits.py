@@ -439,6 +439,11 @@ def test_the_workers_settings_become_the_published_limits(
     assert tenancy.tpm == tenancy.tokens_per_month == {}
     assert tenancy.max_tokens == 64
     assert tenancy.key_rpm == {}
+    assert {"support", "team-ml", "nightly"} <= set(tenancy.named_tenants)
+    for bad in ("support=1.5", "support=0", "support"):
+        monkeypatch.setenv("EDGEQ_TENANT_TPM", bad)
+        with pytest.raises(ValidationError, match=r"EDGEQ_TENANT_TPM|tenant=number"):
+            WorkerSettings()
 
 
 def test_the_workers_key_limits_become_the_published_key_limits(
@@ -450,8 +455,6 @@ def test_the_workers_key_limits_become_the_published_key_limits(
     assert tenancy.key_tpm == {"web": 300_000, "key-0123456789ab": 5000}
     assert tenancy.key_tokens_per_month == {"web": 9_000_000}
     assert tenancy.tpm == tenancy.key_rpm == {}
-    assert {"support", "team-ml", "nightly"} <= set(tenancy.named_tenants)
-    for bad in ("support=1.5", "support=0", "support"):
-        monkeypatch.setenv("EDGEQ_TENANT_TPM", bad)
-        with pytest.raises(ValidationError, match=r"EDGEQ_TENANT_TPM|tenant=number"):
-            WorkerSettings()
+    monkeypatch.setenv("EDGEQ_KEY_RPM", "web=0")
+    with pytest.raises(ValidationError, match="EDGEQ_KEY_RPM: web's value is not a count > 0"):
+        WorkerSettings()
