@@ -20,7 +20,7 @@ from edgeq.core.errors import ConfigError, RateLimited
 from edgeq.core.events import EventLog
 from edgeq.core.keys import job_key, key_limits_usage_key, limits_usage_key, tenancy_key
 from edgeq.core.ledger import LedgerScope, read_usage, rows_of, usage_day
-from edgeq.core.limits import estimate_prompt_tokens
+from edgeq.core.limits import estimate_prompt_tokens, waiting_reason
 from edgeq.core.limits import read_usage as read_limits_usage
 from edgeq.core.protocol import DoneEvent, Timings, Usage, record_request
 from edgeq.core.scheduling import Tenancy, publish_tenancy, read_tenancy
@@ -153,6 +153,20 @@ async def test_ledger_fields_with_and_without_a_key_read_back_as_their_own_rows(
         (None, "tiny", "default"), ("web", "odd|model", "batch"), ("web", "tiny", "default"),
     ]  # fmt: skip
     assert [row.requests for row in rows] == [3, 0, 2]
+
+
+async def test_a_batch_held_by_its_keys_budget_says_so(
+    redis: Redis, queue: str, client: ChatClient
+) -> None:
+    await limited(redis, queue, key_tokens_per_day={"nightly-job": cost(64)})
+    await client.submit(PROMPT, tenant="acme", key_name="nightly-job", max_tokens=64)
+    with pytest.raises(RateLimited) as refused:
+        await client.submit(PROMPT, tenant="acme", key_name="nightly-job", max_tokens=64)
+    reason = waiting_reason("acme", refused.value.refusal, "nightly-job")
+    assert reason.startswith(
+        "lines wait: API key nightly-job (tenant acme)'s tokens per day limit "
+        f"({cost(64)}, EDGEQ_KEY_TOKENS_PER_DAY) is spent until "
+    )
 
 
 async def test_key_limits_published_by_workers_read_back(redis: Redis, queue: str) -> None:
