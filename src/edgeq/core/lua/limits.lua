@@ -6,8 +6,8 @@
 -- (not sliding: a tenant may spend a minute's limit at 12:00:59 and again at 12:01:00). A
 -- scope's usage hash (core/keys.py limits_usage_key, key_limits_usage_key) holds the window
 -- it last counted in beside each count; a count of a window that is over is read as 0, so
--- nothing needs resetting when a window turns. The tenancy hash's `limits_clock_ms`, when set, is read instead of
--- Redis's clock: tests drive the windows with it (docs/limits.md).
+-- nothing needs resetting when a window turns. The tenancy hash's `limits_clock_ms`, when
+-- set, is read instead of Redis's clock: tests drive the windows with it (docs/limits.md).
 
 local MINUTE_MS, DAY_MS = 60000, 86400000
 
@@ -49,7 +49,8 @@ local function windows_at(now_ms)
   }
 end
 
--- What a scope (a tenant, an API key) has used in the windows `w` (a count of a window that is over reads 0).
+-- What a scope (a tenant, an API key) has used in the windows `w` (a count of a window that
+-- is over reads 0).
 local function usage_in(used_key, w)
   local u = redis.call('HMGET', used_key, 'minute', 'requests', 'tokens', 'day', 'day_tokens',
     'month', 'month_tokens')
