@@ -909,7 +909,7 @@ class Campaign:
                 ) as response,
             ):
                 job_id = response.headers.get("X-Edgeq-Job-Id")
-                if response.status_code != 200 or job_id is None:
+                if job_id is None:
                     body_text = (await response.aread()).decode(errors="replace")
                     if response.status_code not in REFUSALS_AT_THE_DOOR:
                         self.general_problems.append(
@@ -919,6 +919,10 @@ class Campaign:
                     self.refused[f"gateway_{response.status_code}"] += 1
                     await asyncio.sleep(REFUSED_BACKOFF_S)
                     return
+                # An error status with a job id: the job was accepted and ended before its
+                # first token, and the gateway answered its error (a poison_job bystander,
+                # say); it is checked from its replay buffer like every other job.
+                finished = response.status_code != 200
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         finished |= line == "data: [DONE]"
