@@ -297,6 +297,11 @@ class ChatEngine:
                 engine_args(settings),
                 stat_loggers=[functools.partial(StepSignal, watch=steps)],
             )
+        # vLLM reads some of its VLLM_* settings for every engine output (its iteration stats:
+        # two os.getenv each, ~6 % of a worker's samples at 256 streams, docs/performance.md);
+        # its engine processes cache them once built, its front end only when told. Nothing
+        # here changes a VLLM_* setting after this point.
+        envs.enable_envs_cache()
         processes = identify(pid for pid in engine_pids(os.getpid(), own=True) if pid not in others)
         tokenizer = llm.get_tokenizer()
         if inspect.isawaitable(tokenizer):  # older vLLM releases
