@@ -161,6 +161,9 @@ def private_ipc_dir() -> Iterator[str | None]:
     None, and vLLM left to its default, when the operator chose a path, when a socket's path
     in the directory would be too long for a socket address, or when vLLM already froze its
     settings in this process (it does once an engine runs in it)."""
+    # An engine built before in this process left vLLM's settings cached (ChatEngine.start):
+    # they would answer with that engine's directory, gone since. Read from the environment.
+    envs.disable_envs_cache()
     if "VLLM_RPC_BASE_PATH" in os.environ:
         yield None
         return
@@ -292,17 +295,15 @@ class ChatEngine:
         os.environ[NICE_ENV] = str(settings.engine_nice)  # read by the processes it spawns
         others = set(engine_pids(os.getpid(), own=True))  # engines this process already runs
         steps = StepWatch()
-        # vLLM reads some of its VLLM_* settings for every engine output (its iteration stats:
-        # two os.getenv each, ~6 % of a worker's samples at 256 streams, docs/performance.md);
-        # its engine processes cache them once built, its front end only when told. Cached
-        # after the build, not during it: an engine built before in this process (the bench's
-        # rounds) would otherwise hand this one its private socket directory, gone since.
-        envs.disable_envs_cache()
         with private_ipc_dir() as ipc_dir:
             llm = AsyncLLM.from_engine_args(
                 engine_args(settings),
                 stat_loggers=[functools.partial(StepSignal, watch=steps)],
             )
+        # vLLM reads some of its VLLM_* settings for every engine output (its iteration stats:
+        # two os.getenv each, ~6 % of a worker's samples at 256 streams, docs/performance.md);
+        # its engine processes cache them once built, its front end only when told. Cached
+        # after the build: private_ipc_dir drops the cache before the next one.
         envs.enable_envs_cache()
         processes = identify(pid for pid in engine_pids(os.getpid(), own=True) if pid not in others)
         tokenizer = llm.get_tokenizer()
