@@ -84,14 +84,24 @@ def unauthorized() -> ApiError:
     )
 
 
-async def require_api_key(request: Request, settings: SettingsDep) -> str | None:
-    """The tenant the caller's key fixes; None for a plain key or when auth is off. (The
-    door, door.py, has refused a wrong key before the body was read; this is for the tenant,
-    and for an app built without the door.)"""
-    accepted, tenant = key_tenant(settings, request.headers.get("authorization", ""))
+async def require_job_key(request: Request, settings: SettingsDep) -> JobKey | None:
+    """The caller's job key (None when auth is off), matched once per request: FastAPI
+    shares this dependency's answer with every other that needs it. (The door, door.py, has
+    refused a wrong key before the body was read; this is for the key's tenant and name, and
+    for an app built without the door.)"""
+    accepted, job_key = key_of(settings, request.headers.get("authorization", ""))
     if not accepted:
         raise unauthorized()
-    return tenant
+    return job_key
+
+
+#: The caller's job key, for the dependencies below.
+JobKeyDep = Annotated[JobKey | None, Depends(require_job_key)]
+
+
+async def require_api_key(job_key: JobKeyDep) -> str | None:
+    """The tenant the caller's key fixes; None for a plain key or when auth is off."""
+    return job_key.tenant if job_key is not None else None
 
 
 async def request_tenant(
@@ -125,12 +135,9 @@ async def request_tenant(
 TenantDep = Annotated[str | None, Depends(request_tenant)]
 
 
-async def request_key_name(request: Request, settings: SettingsDep) -> str | None:
+async def request_key_name(job_key: JobKeyDep) -> str | None:
     """The name of the caller's key, which its jobs carry (``key_name``: the key's own limits
     and ledger rows); None when auth is off."""
-    accepted, job_key = key_of(settings, request.headers.get("authorization", ""))
-    if not accepted:
-        raise unauthorized()
     return job_key.name if job_key is not None else None
 
 

@@ -4,6 +4,7 @@ shares (same EDGEQ_* variables, same .env)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import Annotated, Any, NamedTuple
@@ -25,6 +26,7 @@ JSON_MARGIN_BYTES = 64 * 1024
 TenantKeys = Annotated[list[tuple[str, str]], NoDecode]
 
 
+@functools.lru_cache(maxsize=1024)  # the configured keys': job_keys runs once per request
 def derived_key_name(key: str) -> str:
     """The name of a key given none (every EDGEQ_GATEWAY_API_KEYS key, and a tenant key
     without ``:name``): ``key-`` and 12 hex digits of its SHA-256. It tells keys apart in
