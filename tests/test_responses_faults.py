@@ -210,8 +210,8 @@ def test_a_batch_completes_exactly_once_through_a_worker_sigkill_and_a_redis_res
     box: Box,
 ) -> None:
     """The first worker takes the batch's first lines and is SIGKILLed with lines running; the
-    other continues them. Redis restarts while the second worker runs lines. Every custom_id is in the output
-    file exactly once, none failed, and at least one line's job was continued."""
+    other continues them. Redis restarts while the second worker runs lines. Every custom_id is
+    in the output file exactly once, none failed, and at least one line's job was continued."""
     first, second = box.serving()
     sdk = openai.OpenAI(base_url=box.gateway.base_url, api_key="unused", max_retries=0)
     model = box.env["EDGEQ_MODEL"]
