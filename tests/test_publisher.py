@@ -255,3 +255,16 @@ async def test_an_outage_longer_than_the_limit_stops_the_job(
     clock.now += 3
     with pytest.raises(RedisAway, match="EDGEQ_REDIS_OUTAGE_S"):
         await publisher.publish_text("C")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["plain", 'quote " and \\ backslash', "line\nbreak\ttab\x00\x1f\x7f", "é 😀 \u2028 中文", ""],
+)
+def test_a_deltas_json_is_the_models_own(text: str) -> None:
+    """Deltas skip pydantic's serializer (core/events.py): the bytes must be the same."""
+    from edgeq.core.events import _event_json
+
+    event = DeltaEvent(job_id="{q}job-1", seq=7, text=text)
+    head, tail = _event_json(event)
+    assert head + b'"seq":7,' + tail == event.model_dump_json(exclude_none=True).encode()

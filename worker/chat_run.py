@@ -255,16 +255,21 @@ class ChatRun:
         count, publish and keep each output's text."""
         # Locals, not attribute reads, in the loop that runs once per output.
         publisher, metrics, labels = self.publisher, self.metrics, self.labels
-        settings, enqueued_s = self.settings, self.enqueued_s
+        enqueued_s = self.enqueued_s
+        # A job that is not streamed publishes nothing until it ends: nobody hears it by design.
+        abandon_after_s = self.settings.abandon_after_s if publisher.live else 0.0
         last_tokens_s: float | None = None
+        last: RequestOutput | None = None  # the engine's count of the answer's tokens is in it
+        summed = 0  # the same, from the outputs' token ids, for an engine that keeps none
         answered = False  # whether the engine sent any output (a grammar error comes before)
         # aclosing: a cancelled or timed-out job aborts its request in the engine at once.
         try:
             async with contextlib.aclosing(outputs):
                 async for output in outputs:
                     answered = True
+                    last = output
                     completion = output.outputs[0]
-                    if completion.token_ids:
+                    if token_ids := completion.token_ids:
                         now_s = time.time()
                         if last_tokens_s is None:
                             answer.first_token_s = now_s
@@ -272,17 +277,18 @@ class ChatRun:
                             gap_s = None
                         else:
                             gap_s = now_s - last_tokens_s
-                        tally.add(len(completion.token_ids), gap_s=gap_s, now_s=now_s)
+                        summed += len(token_ids)
+                        tally.add(len(token_ids), gap_s=gap_s, now_s=now_s)
                         last_tokens_s = now_s
-                    answer.completion_tokens = generated_tokens(output, answer.completion_tokens)
                     if answer.logprobs is not None:
                         answer.logprobs += token_logprobs(
-                            completion.token_ids, completion.logprobs, request.top_logprobs or 0
+                            token_ids, completion.logprobs, request.top_logprobs or 0
                         )
                     text = reader.feed(splitter.feed(completion.text))
                     answer.parts.append(text)
                     await publisher.publish_text(text)
-                    _refuse_if_unheard(publisher, settings)
+                    if abandon_after_s and publisher.unheard_for_s > abandon_after_s:
+                        raise _abandoned(abandon_after_s)
                     if output.finished:
                         answer.finish_reason = completion.finish_reason or answer.finish_reason
         except VLLMValidationError as error:
@@ -295,6 +301,7 @@ class ChatRun:
                 ErrorCode.INVALID_REQUEST,
                 f"invalid request: {constraint_field(request)}: {grammar_problem(error)}",
             ) from None
+        answer.completion_tokens = generated_tokens(last, summed)
 
     async def finish(
         self, generation: Generation, answer: Answer, tool_calls: list[Any] | None
@@ -341,15 +348,13 @@ class ChatRun:
         return ChatResult.from_done(done, text)
 
 
-def generated_tokens(output: Any, counted_so_far: int) -> int:
-    """Tokens generated so far: the engine's own per-request count when it keeps one (it
-    stays exact when the engine merges deltas for a consumer that fell behind), else the sum
-    of the deltas' token ids."""
+def generated_tokens(output: Any, summed: int) -> int:
+    """Tokens generated: the engine's own per-request count in its last output when it keeps
+    one (it stays exact when the engine merges deltas for a consumer that fell behind), else
+    ``summed``, the sum of the outputs' token ids."""
     stats = getattr(output, "metrics", None)
     counted = getattr(stats, "num_generation_tokens", None)
-    if isinstance(counted, int):
-        return counted
-    return counted_so_far + len(output.outputs[0].token_ids)
+    return counted if isinstance(counted, int) else summed
 
 
 def job_adapter(request: ChatRequest, settings: WorkerSettings) -> str | None:
@@ -407,16 +412,12 @@ async def prepare_generation(
     return Generation(request, streamed, thinking, chat_prompt, already, left, params)
 
 
-def _refuse_if_unheard(publisher: StreamPublisher, settings: WorkerSettings) -> None:
-    # A job that is not streamed publishes nothing until it ends: nobody hears it by design.
-    if not publisher.live:
-        return
-    if settings.abandon_after_s and publisher.unheard_for_s > settings.abandon_after_s:
-        raise JobRefused(
-            ErrorCode.CANCELLED,
-            f"nobody listened to this job's stream for {settings.abandon_after_s:g} s "
-            f"(EDGEQ_ABANDON_AFTER_S); generation was stopped",
-        )
+def _abandoned(abandon_after_s: float) -> JobRefused:
+    return JobRefused(
+        ErrorCode.CANCELLED,
+        f"nobody listened to this job's stream for {abandon_after_s:g} s "
+        f"(EDGEQ_ABANDON_AFTER_S); generation was stopped",
+    )
 
 
 def refuse_continuation(request: ChatRequest, streamed: str) -> None:
