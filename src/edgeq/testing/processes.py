@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -28,8 +29,50 @@ DEFAULT_READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 
 
+#: Where free ports are picked: above the well-known ones, below the kernel's ephemeral range.
+LOWEST_PICKED_PORT = 10000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+
+
+def _port_block() -> range:
+    """The ports this process picks from: below the ephemeral range, and a block of its own
+    per pytest-xdist process, so two test processes never pick the same port."""
+    try:
+        top = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768  # Linux's default
+    ports = range(LOWEST_PICKED_PORT, max(top, LOWEST_PICKED_PORT + 1))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or not worker[2:].isdigit() or count < 2:
+        return ports
+    size = len(ports) // count
+    start = ports.start + int(worker[2:]) % count * size
+    return range(start, start + size)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port nobody listens on, for a child process to bind later.
+
+    Not one the kernel picks (port 0): that one is in the ephemeral range, where every outgoing
+    connection on the machine takes its local port too, and one took a worker's metrics port
+    between the pick and the worker's bind (CI run 19: "Address already in use"). Picked at
+    random from this process's block (``_port_block``), checked free, never handed out twice.
+    """
+    block = _port_block()
+    for _ in range(200):
+        port = random.choice(block)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as sock:  # the block is full: the kernel's pick, as a last resort
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
