@@ -309,11 +309,15 @@ def test_a_frozen_worker_and_its_children_are_stopped_and_resumed(tmp_path: Path
             time.sleep(0.05)
         group = [psutil.Process(process.pid), *psutil.Process(process.pid).children()]
         assert len(group) == 2
+        # Both started (asleep in time.sleep) before the freeze: a process still reading its
+        # interpreter from disk is in uninterruptible sleep, and stops only once it wakes (the
+        # child was still 'disk-sleep' 10 s after the SIGSTOP on CI run 20, while another test
+        # wrote bundles of 900 MB).
+        sleeping = {psutil.STATUS_SLEEPING}
+        assert _settled_statuses(group, lambda found: found == sleeping, 120) == sleeping
         cluster.freeze_worker(slot, True)
-        # A process in uninterruptible sleep (still reading its interpreter from disk, as the
-        # child was on CI run 47: 'disk-sleep') stops once it wakes, not at once.
         stopped = {psutil.STATUS_STOPPED}
-        assert _settled_statuses(group, lambda found: found == stopped) == stopped
+        assert _settled_statuses(group, lambda found: found == stopped, 30) == stopped
         cluster.freeze_worker(slot, False)
         resumed = _settled_statuses(group, lambda found: psutil.STATUS_STOPPED not in found)
         assert psutil.STATUS_STOPPED not in resumed
