@@ -159,8 +159,8 @@ def private_ipc_dir() -> Iterator[str | None]:
     them: every engine start left seven socket files in /tmp. The directory is returned for the
     engine's ``shutdown`` to remove; those of workers killed before that go at the next start.
     None, and vLLM left to its default, when the operator chose a path, when a socket's path
-    in the directory would be too long for a socket address, or when vLLM already froze its
-    settings in this process (it does once an engine runs in it)."""
+    in the directory would be too long for a socket address, or when vLLM's settings still
+    answer with another path (a guard: the cache an earlier engine left is dropped first)."""
     # An engine built before in this process left vLLM's settings cached (ChatEngine.start):
     # they would answer with that engine's directory, gone since. Read from the environment.
     envs.disable_envs_cache()
